@@ -1,0 +1,1 @@
+"""curvax (public API assembled once all modules land)."""

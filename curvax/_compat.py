@@ -1,0 +1,106 @@
+"""The one place where curvax touches JAX internals.
+
+Custom primitives need differentiation, batching and lowering rules, which JAX
+only exposes through ``jax.interpreters``; evaluating one jaxpr equation needs
+the jaxpr constructors of ``jax.extend.core``. Everything version-sensitive lives
+here so that a JAX upgrade breaks this file and its tests, not the library.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+Var = jex_core.Var
+DropVar = jex_core.DropVar
+Primitive = jex_core.Primitive
+
+# Names under which JAX has spelled "call a closed sub-jaxpr" over its versions.
+CALL_PRIMITIVE_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "remat2"})
+CUSTOM_DERIVATIVE_NAMES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def define_identity_rules(
+    primitive: Primitive,
+    impl: Callable[..., Any],
+    abstract_eval: Callable[..., Any],
+    jvp: Callable[..., Any],
+    batch: Callable[..., Any],
+) -> None:
+    """Registers evaluation, abstract evaluation, JVP, batching and lowering rules."""
+    primitive.def_impl(impl)
+    primitive.def_abstract_eval(abstract_eval)
+    ad.primitive_jvps[primitive] = jvp
+    batching.primitive_batchers[primitive] = batch
+    mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=primitive.multiple_results))
+
+
+def is_literal(v: Any) -> bool:
+    return isinstance(v, Literal)
+
+
+def is_dropvar(v: Any) -> bool:
+    return isinstance(v, DropVar)
+
+
+def sub_closed_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
+    """The called jaxpr of a call-like equation (``jit``, ``closed_call``, ``remat``), else None."""
+    name = eqn.primitive.name
+    if name in CALL_PRIMITIVE_NAMES:
+        j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    elif name == "custom_jvp_call":
+        j = eqn.params.get("call_jaxpr")
+    elif name in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
+        j = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+    else:
+        return None
+    if j is None:
+        return None
+    if isinstance(j, Jaxpr):
+        return ClosedJaxpr(j, [])
+    if isinstance(j, ClosedJaxpr):
+        return j
+    return None
+
+
+def has_sub_jaxprs(eqn: JaxprEqn) -> bool:
+    for v in eqn.params.values():
+        vals = v if isinstance(v, (tuple, list)) else (v,)
+        if any(isinstance(x, (Jaxpr, ClosedJaxpr)) for x in vals):
+            return True
+    return False
+
+
+def eval_equation(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Evaluates one equation on (possibly traced) values; returns one value per outvar.
+
+    First-order primitives are bound directly. Equations carrying sub-jaxprs are
+    wrapped into a one-equation closed jaxpr and evaluated by JAX's own
+    ``jaxpr_as_fun``, so that JAX converts their parameters as it needs to.
+    """
+    if not has_sub_jaxprs(eqn):
+        out = eqn.primitive.bind(*invals, **eqn.params)
+        return list(out) if eqn.primitive.multiple_results else [out]
+    in_vars: list[Var] = []
+    in_vals: list[Any] = []
+    for v, x in zip(eqn.invars, invals):
+        if isinstance(v, Literal) or v in in_vars:
+            continue
+        in_vars.append(v)
+        in_vals.append(x)
+    out_vars = [v for v in eqn.outvars if not isinstance(v, DropVar)]
+    jaxpr = Jaxpr([], in_vars, out_vars, [eqn], eqn.effects)
+    outs = jex_core.jaxpr_as_fun(ClosedJaxpr(jaxpr, []))(*in_vals)
+    it = iter(outs)
+    return [None if isinstance(v, DropVar) else next(it) for v in eqn.outvars]
+
+
+def make_jaxpr(fun: Callable[..., Any], *args: Any) -> ClosedJaxpr:
+    return jax.make_jaxpr(fun)(*args)

@@ -1,0 +1,1241 @@
+"""Curvature blocks: per-layer approximations of the curvature matrix.
+
+A block owns one layer's parameters (the ``params`` of its ``LayerTagEqn``) and
+keeps a moving-average estimate of that layer's diagonal block of the
+curvature (Fisher / GGN). It can multiply vectors by powers of
+``C + identity_weight * I`` either exactly or with a cheaper approximation,
+and can cache expensive pieces (eigen-decompositions, inverses) so that they
+are recomputed only every few optimizer steps.
+
+Conventions shared by all blocks:
+
+* Vectors are tuples of arrays shaped like the block's parameters, in ``params``
+  order. Dense matrices use the same order: each parameter flattened in C order,
+  concatenated.
+* The represented matrix is ``C = s * C_unscaled`` with
+  ``s = fixed_scale() * state_dependent_scale(state)``. Products computed from
+  the cache apply only ``fixed_scale`` at call time; the state dependent part is
+  folded into the cache when it is built.
+* Exact powers are served from cached eigen-decompositions, which do not depend
+  on the damping, so the ``identity_weight`` passed at call time is always used.
+  Approximate inverses (pi-damped Kronecker factors) bake in the damping given
+  to ``update_cache``; it is stored in the cache as ``identity_weight``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import numbers
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from curvax import linalg
+from curvax import tags
+
+Array = jax.Array
+Numeric = Any
+Shape = tuple[int, ...]
+ScalarOrSequence = Union[Numeric, Sequence[Numeric], None]
+
+__all__ = [
+    "WeightedMovingAverage",
+    "register_state_class",
+    "CurvatureBlock",
+    "ScaledIdentity",
+    "Diagonal",
+    "NaiveDiagonal",
+    "DenseDiagonal",
+    "Full",
+    "NaiveFull",
+    "DenseFull",
+    "TwoKroneckerFactored",
+    "KroneckerFactored",
+    "DenseTwoKroneckerFactored",
+    "get_default_tag_to_block_ctor",
+    "set_default_tag_to_block_ctor",
+    "get_default_eigen_decomposition_threshold",
+    "set_default_eigen_decomposition_threshold",
+    "get_max_parallel_elements",
+    "set_max_parallel_elements",
+]
+
+
+# ----------------------------------------------------------------------------------
+# Moving averages and state classes
+# ----------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class WeightedMovingAverage:
+    """A normalised (bias-corrected) exponential moving average.
+
+    ``update(x, ema_old, ema_new)`` sets ``weight <- ema_old * weight + ema_new``
+    and ``value <- (ema_old * old_weight * value + ema_new * x) / weight``, so
+    ``value`` is the weighted mean of everything seen. It starts with zero weight,
+    so the first update replaces the value. The object is mutable on purpose
+    (blocks and user code update factors in place, as in kfac-jax); it is a
+    pytree, so it can live inside jitted state.
+    """
+
+    weight: Array
+    value: Array
+
+    @classmethod
+    def zeros(cls, shape: Sequence[int], dtype: Any = None) -> "WeightedMovingAverage":
+        """An empty average (zero weight) of arrays with ``shape`` and ``dtype``."""
+        dtype = jnp.float32 if dtype is None else dtype
+        return cls(weight=jnp.zeros([], dtype), value=jnp.zeros(tuple(shape), dtype))
+
+    zeros_array = zeros
+
+    @classmethod
+    def zeros_like(cls, value: Any) -> "WeightedMovingAverage":
+        """An empty average of arrays shaped like ``value``."""
+        dtype = value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype
+        return cls.zeros(np.shape(value), dtype)
+
+    @property
+    def raw_value(self) -> Array:
+        """The un-normalised sum ``weight * value``."""
+        return self.value * self.weight
+
+    def update(self, value: Array, ema_old: Numeric, ema_new: Numeric) -> None:
+        """Folds ``value`` into the average, in place (see the class docstring)."""
+        if np.shape(value) != np.shape(self.value):
+            raise ValueError(
+                f"WeightedMovingAverage.update: value has shape {np.shape(value)}, "
+                f"the average holds shape {np.shape(self.value)}."
+            )
+        old_w = self.weight
+        new_w = ema_old * old_w + ema_new
+        nonzero = new_w != 0
+        safe_w = jnp.where(nonzero, new_w, 1)
+        new_v = (ema_old * old_w * self.value + ema_new * value) / safe_w
+        new_v = jnp.where(nonzero, new_v, self.value)
+        self.weight = jnp.asarray(new_w).astype(old_w.dtype)
+        self.value = jnp.asarray(new_v).astype(self.value.dtype)
+
+    def copy(self) -> "WeightedMovingAverage":
+        """A new object sharing the (immutable) arrays."""
+        return WeightedMovingAverage(weight=self.weight, value=self.value)
+
+    def clear(self) -> None:
+        """Resets to an empty average, in place."""
+        self.weight = jnp.zeros_like(self.weight)
+        self.value = jnp.zeros_like(self.value)
+
+    def sync(self, pmap_axis_name: str | None) -> None:
+        """Averages ``value`` across devices (``lax.pmean``), in place."""
+        if pmap_axis_name is not None:
+            self.value = lax.pmean(self.value, pmap_axis_name)
+
+
+def register_state_class(cls: type) -> type:
+    """Makes ``cls`` a dataclass registered as a pytree (all fields are children).
+
+    Use it on ``State`` subclasses of custom blocks that add fields.
+    """
+    if not dataclasses.is_dataclass(cls) or "__dataclass_fields__" not in cls.__dict__:
+        cls = dataclasses.dataclass(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+
+
+def _copy_state(state: Any) -> Any:
+    """A structural copy: new dataclass, dict and moving-average objects, same arrays."""
+    return jax.tree_util.tree_map(lambda x: x, state)
+
+
+# ----------------------------------------------------------------------------------
+# Small helpers
+# ----------------------------------------------------------------------------------
+
+
+def _to_powers(value: ScalarOrSequence, arg_name: str) -> tuple[Numeric, ...]:
+    """Normalises ``None | scalar | sequence`` of (static) powers to a tuple without repeats."""
+    if value is None:
+        return ()
+    items = list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value]
+    out: list[Numeric] = []
+    for p in items:
+        if isinstance(p, (jax.Array, np.ndarray)) and np.ndim(p) == 0:
+            try:
+                p = float(p)
+            except Exception as e:  # a tracer
+                raise TypeError(f"`{arg_name}` must hold static Python numbers, got a traced value.") from e
+        if isinstance(p, bool) or not isinstance(p, numbers.Real):
+            raise TypeError(f"`{arg_name}` must hold real numbers, got {p!r}.")
+        p = _normalise_power(p)
+        if p not in out:
+            out.append(p)
+    return tuple(out)
+
+
+def _normalise_power(p: Numeric) -> Numeric:
+    p = float(p)
+    return int(p) if p.is_integer() else p
+
+
+def power_key(power: Numeric) -> str:
+    """The cache key of a matrix power: ``-1 -> "-1"``, ``-0.5 -> "-0.5"``."""
+    return str(_normalise_power(power))
+
+
+def _check_power(power: Any) -> Numeric:
+    if isinstance(power, bool) or not isinstance(power, numbers.Real):
+        if isinstance(power, (jax.Array, np.ndarray)) and np.ndim(power) == 0:
+            try:
+                return _normalise_power(float(power))
+            except Exception as e:
+                raise TypeError("`power` must be a static Python number, got a traced value.") from e
+        raise TypeError(f"`power` must be a real number, got {power!r}.")
+    return _normalise_power(power)
+
+
+def _is_one(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == 1
+
+
+def _mul(x: Array, factor: Any) -> Array:
+    return x if _is_one(factor) else x * factor
+
+
+def _pow_scalar(s: Any, p: Numeric) -> Any:
+    if _is_one(s):
+        return 1
+    if isinstance(s, numbers.Real):
+        return float(s) ** p
+    return jnp.power(s, p)
+
+
+def _div(x: Any, s: Any) -> Any:
+    return x if _is_one(s) else x / s
+
+
+def _per_example(x: Array, feature_dim: int, what: str) -> Array:
+    """Reshapes ``(B, *extra, d)`` to ``(B, T, d)`` (``T = prod(extra)``); 1-D is one example."""
+    if x.shape[-1] != feature_dim:
+        raise ValueError(f"{what} must have {feature_dim} features in its last axis, got shape {x.shape}.")
+    if x.ndim == 1:
+        return x.reshape(1, 1, feature_dim)
+    return x.reshape(x.shape[0], -1, feature_dim)
+
+
+# ----------------------------------------------------------------------------------
+# Base class
+# ----------------------------------------------------------------------------------
+
+
+class CurvatureBlock(abc.ABC):
+    """Abstract curvature block: a moving-average estimate of one layer's curvature.
+
+    Subclasses implement ``_init``, ``update_curvature_matrix_estimate``,
+    ``_multiply_matpower_unscaled``, ``_eigenvalues_unscaled``, ``_update_cache``
+    and ``_to_dense_unscaled``; the public methods here add validation and the
+    scale ``s = fixed_scale() * state_dependent_scale(state)``.
+    """
+
+    @register_state_class
+    class State:
+        """Persistent block state. ``cache``: data refreshed by ``update_cache`` only."""
+
+        cache: dict[str, Any] | None
+
+        def copy(self) -> Any:
+            return _copy_state(self)
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+        for attr in ("primitive", "outputs", "inputs", "params"):
+            if not hasattr(layer_tag_eq, attr):
+                raise TypeError(
+                    f"{type(self).__name__}: `layer_tag_eq` must be a curvax.tags.LayerTagEqn, "
+                    f"got {type(layer_tag_eq).__name__}."
+                )
+        self._layer_tag_eq = layer_tag_eq
+        self._name = str(name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self._name!r}, parameters_shapes={self.parameters_shapes})"
+
+    # --- description -------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def layer_tag_eq(self) -> tags.LayerTagEqn:
+        return self._layer_tag_eq
+
+    @property
+    def layer_tag_primitive(self) -> tags.LayerTag:
+        """The tag primitive of the layer this block approximates."""
+        return self._layer_tag_eq.primitive
+
+    @property
+    def parameter_variables(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Shape/dtype descriptions of the block's parameters, in tag order."""
+        return tuple(self._layer_tag_eq.params)
+
+    @property
+    def outputs_shapes(self) -> tuple[Shape, ...]:
+        return tuple(tuple(o.shape) for o in self._layer_tag_eq.outputs)
+
+    @property
+    def inputs_shapes(self) -> tuple[Shape, ...]:
+        return tuple(tuple(i.shape) for i in self._layer_tag_eq.inputs)
+
+    @property
+    def parameters_shapes(self) -> tuple[Shape, ...]:
+        return tuple(tuple(p.shape) for p in self._layer_tag_eq.params)
+
+    @property
+    def parameters_canonical_order(self) -> tuple[int, ...]:
+        """Positions of the parameters sorted by their index in the model's flat parameters."""
+        idx = tuple(getattr(self._layer_tag_eq, "param_indices", ()) or ())
+        if len(idx) != self.number_of_parameters:
+            return tuple(range(self.number_of_parameters))
+        return tuple(int(i) for i in np.argsort(np.asarray(idx), kind="stable"))
+
+    @property
+    def layer_tag_extra_params(self) -> dict[str, Any]:
+        """The tag's extra parameters (``LayerTagEqn.meta``)."""
+        return dict(self._layer_tag_eq.meta or {})
+
+    @property
+    def number_of_parameters(self) -> int:
+        return len(self._layer_tag_eq.params)
+
+    @property
+    def parameters_sizes(self) -> tuple[int, ...]:
+        return tuple(int(math.prod(s)) for s in self.parameters_shapes)
+
+    @property
+    def dim(self) -> int:
+        """Total number of scalar parameters: the side of the block's matrix."""
+        return int(sum(self.parameters_sizes))
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype used for the block's statistics (that of its first parameter)."""
+        params = self._layer_tag_eq.params
+        return params[0].dtype if params else jnp.float32
+
+    # --- scale ----------------------------------------------------------------------
+
+    def fixed_scale(self) -> Numeric:
+        """A constant pre-factor of the curvature (1 unless a subclass says otherwise)."""
+        return 1.0
+
+    def state_dependent_scale(self, state: Any) -> Numeric:
+        """A pre-factor computed from the current estimate (1 unless overridden)."""
+        del state
+        return 1.0
+
+    def scale(self, state: Any, use_cache: bool) -> Numeric:
+        """The scalar multiplying the unscaled representation.
+
+        Cached values already contain the state dependent scale, so only
+        ``fixed_scale`` applies to them.
+        """
+        fixed = self.fixed_scale()
+        if use_cache:
+            return fixed
+        dep = self.state_dependent_scale(state)
+        if _is_one(dep):
+            return fixed
+        if _is_one(fixed):
+            return dep
+        return fixed * dep
+
+    # --- validation -----------------------------------------------------------------
+
+    def _check_vector(self, vector: Any, arg_name: str = "vector") -> tuple[Array, ...]:
+        if not isinstance(vector, (tuple, list)):
+            raise TypeError(
+                f"{self._name}: `{arg_name}` must be a tuple of {self.number_of_parameters} arrays shaped like "
+                f"the block's parameters {self.parameters_shapes}, got {type(vector).__name__}."
+            )
+        if len(vector) != self.number_of_parameters:
+            raise ValueError(
+                f"{self._name}: `{arg_name}` has {len(vector)} arrays, the block has "
+                f"{self.number_of_parameters} parameters with shapes {self.parameters_shapes}."
+            )
+        got = tuple(tuple(np.shape(v)) for v in vector)
+        if got != self.parameters_shapes:
+            raise ValueError(
+                f"{self._name}: `{arg_name}` has shapes {got}, expected the parameters' shapes "
+                f"{self.parameters_shapes}."
+            )
+        return tuple(jnp.asarray(v) for v in vector)
+
+    def _missing_cache(self, what: str, init_arg: str) -> Exception:
+        return ValueError(
+            f"{self._name} ({type(self).__name__}): {what} is not in the cache. Request it when creating the "
+            f"state, e.g. `init(..., {init_arg}=...)`, and call `update_cache` before multiplying with "
+            f"`use_cached=True`."
+        )
+
+    # --- public API ------------------------------------------------------------------
+
+    def init(
+        self,
+        rng: Array,
+        exact_powers_to_cache: ScalarOrSequence,
+        approx_powers_to_cache: ScalarOrSequence,
+        cache_eigenvalues: bool,
+    ) -> "CurvatureBlock.State":
+        """The initial state, with cache entries for the requested powers/eigenvalues."""
+        exact = _to_powers(exact_powers_to_cache, "exact_powers_to_cache")
+        approx = _to_powers(approx_powers_to_cache, "approx_powers_to_cache")
+        return self._init(rng, exact, approx, bool(cache_eigenvalues))
+
+    def multiply_matpower(
+        self,
+        state: "CurvatureBlock.State",
+        vector: Sequence[Array],
+        identity_weight: Numeric,
+        power: Numeric,
+        exact_power: bool,
+        use_cached: bool,
+    ) -> tuple[Array, ...]:
+        """``(C + identity_weight I)^power`` times ``vector`` (exactly or approximately).
+
+        ``power``, ``exact_power`` and ``use_cached`` must be static.
+        """
+        vec = self._check_vector(vector)
+        power = _check_power(power)
+        from_cache = bool(use_cached) and self._serves_from_cache(power, bool(exact_power))
+        s = self.scale(state, from_cache)
+        out = self._multiply_matpower_unscaled(
+            state, vec, _div(identity_weight, s), power, bool(exact_power), from_cache
+        )
+        factor = _pow_scalar(s, power)
+        return tuple(_mul(o, factor).astype(v.dtype) for o, v in zip(out, vec))
+
+    def multiply(
+        self, state: "CurvatureBlock.State", vector: Sequence[Array], identity_weight: Numeric,
+        exact_power: bool, use_cached: bool,
+    ) -> tuple[Array, ...]:
+        """``(C + identity_weight I) vector``."""
+        return self.multiply_matpower(state, vector, identity_weight, 1, exact_power, use_cached)
+
+    def multiply_inverse(
+        self, state: "CurvatureBlock.State", vector: Sequence[Array], identity_weight: Numeric,
+        exact_power: bool, use_cached: bool,
+    ) -> tuple[Array, ...]:
+        """``(C + identity_weight I)^-1 vector``."""
+        return self.multiply_matpower(state, vector, identity_weight, -1, exact_power, use_cached)
+
+    def eigenvalues(self, state: "CurvatureBlock.State", use_cached: bool) -> Array:
+        """The eigenvalues of ``C`` (not damped); from the cache if ``use_cached``."""
+        s = self.scale(state, bool(use_cached))
+        return _mul(self._eigenvalues_unscaled(state, bool(use_cached)), s)
+
+    def update_cache(
+        self,
+        state: "CurvatureBlock.State",
+        identity_weight: Numeric,
+        exact_powers: ScalarOrSequence,
+        approx_powers: ScalarOrSequence,
+        eigenvalues: bool,
+    ) -> "CurvatureBlock.State":
+        """Recomputes the cached quantities from the current estimate; returns a new state."""
+        exact = _to_powers(exact_powers, "exact_powers")
+        approx = _to_powers(approx_powers, "approx_powers")
+        return self._update_cache(_copy_state(state), identity_weight, exact, approx, bool(eigenvalues))
+
+    def to_dense_matrix(self, state: "CurvatureBlock.State") -> Array:
+        """The ``dim x dim`` matrix ``C`` in parameter order (each parameter flattened, C order)."""
+        return _mul(self._to_dense_unscaled(state), self.scale(state, False))
+
+    def sync(self, state: "CurvatureBlock.State", pmap_axis_name: str | None) -> "CurvatureBlock.State":
+        """Averages the moving-average values (not the cache) across devices."""
+        state = _copy_state(state)
+        if pmap_axis_name is None:
+            return state
+        for f in dataclasses.fields(state):
+            if f.name == "cache":
+                continue
+            for leaf in jax.tree_util.tree_leaves(
+                getattr(state, f.name), is_leaf=lambda x: isinstance(x, WeightedMovingAverage)
+            ):
+                if isinstance(leaf, WeightedMovingAverage):
+                    leaf.sync(pmap_axis_name)
+        return state
+
+    @abc.abstractmethod
+    def update_curvature_matrix_estimate(
+        self,
+        state: "CurvatureBlock.State",
+        estimation_data: Mapping[str, Sequence[Array]],
+        ema_old: Numeric,
+        ema_new: Numeric,
+        batch_size: Numeric,
+        pmap_axis_name: str | None = None,
+    ) -> "CurvatureBlock.State":
+        """Folds the statistics of one batch into the moving-average estimate."""
+
+    # --- hooks for subclasses -----------------------------------------------------
+
+    @abc.abstractmethod
+    def _init(
+        self, rng: Array, exact_powers_to_cache: tuple[Numeric, ...],
+        approx_powers_to_cache: tuple[Numeric, ...], cache_eigenvalues: bool,
+    ) -> "CurvatureBlock.State":
+        """The initial state; powers arrive normalised to tuples."""
+
+    def _serves_from_cache(self, power: Numeric, exact_power: bool) -> bool:
+        """Whether ``use_cached=True`` actually reads the cache for this product."""
+        del power, exact_power
+        return True
+
+    @abc.abstractmethod
+    def _multiply_matpower_unscaled(
+        self, state: Any, vector: tuple[Array, ...], identity_weight: Numeric, power: Numeric,
+        exact_power: bool, use_cached: bool,
+    ) -> tuple[Array, ...]:
+        """``(C_unscaled + identity_weight I)^power vector``."""
+
+    @abc.abstractmethod
+    def _eigenvalues_unscaled(self, state: Any, use_cached: bool) -> Array:
+        """Eigenvalues of ``C_unscaled``."""
+
+    @abc.abstractmethod
+    def _update_cache(
+        self, state: Any, identity_weight: Numeric, exact_powers: tuple[Numeric, ...],
+        approx_powers: tuple[Numeric, ...], eigenvalues: bool,
+    ) -> Any:
+        """Refreshes ``state.cache`` (``state`` is already a private copy)."""
+
+    @abc.abstractmethod
+    def _to_dense_unscaled(self, state: Any) -> Array:
+        """``C_unscaled`` as a dense matrix in parameter order."""
+
+
+# ----------------------------------------------------------------------------------
+# Scaled identity
+# ----------------------------------------------------------------------------------
+
+
+class ScaledIdentity(CurvatureBlock):
+    """``C = scale * I``: no statistics, useful to exclude a layer from preconditioning."""
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str, scale: Numeric = 1.0):
+        super().__init__(layer_tag_eq, name)
+        self._scale = scale
+
+    def fixed_scale(self) -> Numeric:
+        return self._scale
+
+    def _init(self, rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
+        del rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues
+        return CurvatureBlock.State(cache=None)
+
+    def update_curvature_matrix_estimate(
+        self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
+    ):
+        del estimation_data, ema_old, ema_new, batch_size, pmap_axis_name
+        return _copy_state(state)
+
+    def _multiply_matpower_unscaled(self, state, vector, identity_weight, power, exact_power, use_cached):
+        del state, exact_power, use_cached
+        factor = linalg._pow(jnp.asarray(1 + identity_weight, self.dtype), power)
+        return tuple(v * factor for v in vector)
+
+    def _eigenvalues_unscaled(self, state, use_cached):
+        del state, use_cached
+        return jnp.ones([self.dim], self.dtype)
+
+    def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
+        del identity_weight, exact_powers, approx_powers, eigenvalues
+        return state
+
+    def _to_dense_unscaled(self, state):
+        del state
+        return jnp.eye(self.dim, dtype=self.dtype)
+
+
+# ----------------------------------------------------------------------------------
+# Diagonal family
+# ----------------------------------------------------------------------------------
+
+
+class Diagonal(CurvatureBlock, abc.ABC):
+    """Keeps only the diagonal of the curvature, one array per parameter.
+
+    Every power is exact and elementwise: ``(d + w)^p * v``. The cache, when
+    requested, is a snapshot ``cache["diagonals"]`` (tuple shaped like the
+    parameters, state dependent scale included); the damping is applied at call
+    time.
+    """
+
+    @register_state_class
+    class State(CurvatureBlock.State):
+        """``diagonal_factors``: one ``WeightedMovingAverage`` per parameter."""
+
+        diagonal_factors: tuple
+
+    def _init(self, rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
+        del rng
+        factors = tuple(WeightedMovingAverage.zeros(p.shape, p.dtype) for p in self.parameter_variables)
+        cache = None
+        if exact_powers_to_cache or approx_powers_to_cache or cache_eigenvalues:
+            cache = {"diagonals": tuple(jnp.zeros(p.shape, p.dtype) for p in self.parameter_variables)}
+        return Diagonal.State(cache=cache, diagonal_factors=factors)
+
+    def update_curvature_matrix_estimate(
+        self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
+    ):
+        del pmap_axis_name
+        diagonals = self._diagonals_from_data(estimation_data, batch_size)
+        state = _copy_state(state)
+        for factor, d in zip(state.diagonal_factors, diagonals):
+            factor.update(jnp.asarray(d).astype(factor.value.dtype), ema_old, ema_new)
+        return state
+
+    @abc.abstractmethod
+    def _diagonals_from_data(self, estimation_data: Mapping[str, Sequence[Array]], batch_size: Numeric) -> tuple:
+        """This batch's estimate of the diagonal, one array per parameter."""
+
+    def _diagonals(self, state: Any, use_cached: bool) -> tuple[Array, ...]:
+        if use_cached:
+            if not state.cache or "diagonals" not in state.cache:
+                raise self._missing_cache("the diagonal snapshot", "exact_powers_to_cache")
+            return tuple(state.cache["diagonals"])
+        return tuple(f.value for f in state.diagonal_factors)
+
+    def _serves_from_cache(self, power, exact_power):
+        del exact_power
+        return power != 1
+
+    def _multiply_matpower_unscaled(self, state, vector, identity_weight, power, exact_power, use_cached):
+        del exact_power
+        return tuple(
+            v * linalg._pow(d + identity_weight, power) for v, d in zip(vector, self._diagonals(state, use_cached))
+        )
+
+    def _eigenvalues_unscaled(self, state, use_cached):
+        return jnp.concatenate([jnp.ravel(d) for d in self._diagonals(state, use_cached)])
+
+    def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
+        del identity_weight
+        if state.cache is None and not (exact_powers or approx_powers or eigenvalues):
+            return state
+        s = self.state_dependent_scale(state)
+        cache = dict(state.cache or {})
+        cache["diagonals"] = tuple(_mul(f.value, s) for f in state.diagonal_factors)
+        state.cache = cache
+        return state
+
+    def _to_dense_unscaled(self, state):
+        return jnp.diag(self._eigenvalues_unscaled(state, False))
+
+
+class NaiveDiagonal(Diagonal):
+    """``d <- g^2 / B`` with ``g`` the batch-summed (sampled-loss) parameter gradient.
+
+    This is unbiased for the Fisher diagonal when the per-example gradients of
+    the sampled loss are independent and zero-mean; it needs nothing but the
+    parameter gradients, so it works for any parameter (``generic`` tags).
+    """
+
+    def _diagonals_from_data(self, estimation_data, batch_size):
+        tangents = tuple(estimation_data["params_tangent"])
+        if len(tangents) != self.number_of_parameters:
+            raise ValueError(
+                f"{self._name}: expected {self.number_of_parameters} parameter tangents, got {len(tangents)}."
+            )
+        return tuple(jnp.square(t) / batch_size for t in tangents)
+
+
+# ----------------------------------------------------------------------------------
+# Dense-layer helpers
+# ----------------------------------------------------------------------------------
+
+
+class _DenseLayerMixin:
+    """Shape bookkeeping for ``y = x @ W (+ b)`` with ``W`` stored "io" or "oi"."""
+
+    def _check_dense(self) -> None:
+        shapes = self.parameters_shapes  # type: ignore[attr-defined]
+        name = self.name  # type: ignore[attr-defined]
+        if len(shapes) not in (1, 2) or len(shapes[0]) != 2:
+            raise ValueError(f"{name}: a dense layer needs a 2-D weight and an optional bias, got shapes {shapes}.")
+        layout = self.kernel_layout
+        if layout not in ("io", "oi"):
+            raise ValueError(f"{name}: meta['kernel_layout'] must be 'io' or 'oi', got {layout!r}.")
+        if len(shapes) == 2 and shapes[1] != (self.dense_out_dim,):
+            raise ValueError(f"{name}: the bias must have shape ({self.dense_out_dim},), got {shapes[1]}.")
+
+    @property
+    def kernel_layout(self) -> str:
+        return (self._layer_tag_eq.meta or {}).get("kernel_layout", "io")  # type: ignore[attr-defined]
+
+    @property
+    def dense_in_dim(self) -> int:
+        w = self.parameters_shapes[0]  # type: ignore[attr-defined]
+        return w[0] if self.kernel_layout == "io" else w[1]
+
+    @property
+    def dense_out_dim(self) -> int:
+        w = self.parameters_shapes[0]  # type: ignore[attr-defined]
+        return w[1] if self.kernel_layout == "io" else w[0]
+
+    def _dense_data(self, estimation_data: Mapping[str, Sequence[Array]]) -> tuple[Array, Array]:
+        name = self.name  # type: ignore[attr-defined]
+        xs = tuple(estimation_data["inputs"])
+        dys = tuple(estimation_data["outputs_tangent"])
+        if len(xs) != 1 or len(dys) != 1:
+            raise ValueError(f"{name}: a dense block needs one input and one output tangent, got {len(xs)} and {len(dys)}.")
+        return xs[0], dys[0]
+
+    def _per_example_grads(self, x: Array, dy: Array) -> tuple[Array, ...]:
+        """Per-example parameter gradients, shaped ``(B, *param_shape)``, summed over extra axes."""
+        x3 = _per_example(x, self.dense_in_dim, "inputs[0]")
+        dy3 = _per_example(dy, self.dense_out_dim, "outputs_tangent[0]")
+        if x3.shape[:2] != dy3.shape[:2]:
+            raise ValueError(f"{self.name}: inputs {x.shape} and output tangents {dy.shape} disagree on leading axes.")  # type: ignore[attr-defined]
+        spec = "bti,bto->bio" if self.kernel_layout == "io" else "bti,bto->boi"
+        grads = (jnp.einsum(spec, x3, dy3),)
+        if len(self.parameters_shapes) == 2:  # type: ignore[attr-defined]
+            grads += (jnp.sum(dy3, axis=1),)
+        return grads
+
+
+class DenseDiagonal(_DenseLayerMixin, Diagonal):
+    """Diagonal of the per-example Fisher of a dense layer: ``mean_n g_n^2``.
+
+    ``g_n`` is example n's weight gradient (summed over any extra positions) and
+    bias gradient.
+    """
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+        super().__init__(layer_tag_eq, name)
+        self._check_dense()
+
+    def _diagonals_from_data(self, estimation_data, batch_size):
+        x, dy = self._dense_data(estimation_data)
+        if x.ndim == 2 and dy.ndim == 2:
+            w = (jnp.square(x).T @ jnp.square(dy)) / batch_size
+            if self.kernel_layout == "oi":
+                w = w.T
+            out = (w,)
+            if len(self.parameters_shapes) == 2:
+                out += (jnp.sum(jnp.square(dy), axis=0) / batch_size,)
+            return out
+        return tuple(jnp.sum(jnp.square(g), axis=0) / batch_size for g in self._per_example_grads(x, dy))
+
+
+# ----------------------------------------------------------------------------------
+# Full family
+# ----------------------------------------------------------------------------------
+
+_DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = 5
+
+
+def set_default_eigen_decomposition_threshold(value: int) -> None:
+    """Sets how many approximate powers ``Full`` caches one by one before switching to eigh."""
+    global _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"The eigen decomposition threshold must be a non-negative int, got {value!r}.")
+    _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = int(value)
+
+
+def get_default_eigen_decomposition_threshold() -> int:
+    """The default ``eigen_decomposition_threshold`` of ``Full`` blocks (initially 5)."""
+    return _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD
+
+
+class Full(CurvatureBlock, abc.ABC):
+    """The full ``dim x dim`` curvature of the block (parameter order).
+
+    Exact and approximate products are the same matrix function. Cache layout:
+    ``"eigenvalues"`` (dim,) and ``"eigen_vectors"`` (dim, dim) for exact powers
+    (and for approximate ones when more than ``eigen_decomposition_threshold``
+    are requested), served with the call-time damping; otherwise one entry per
+    approximate power ``cache[str(p)] = {"matrix": (M + w I)^p, "identity_weight": w}``
+    computed with the damping given to ``update_cache``.
+    """
+
+    @register_state_class
+    class State(CurvatureBlock.State):
+        """``matrix``: ``WeightedMovingAverage`` of the ``dim x dim`` estimate."""
+
+        matrix: WeightedMovingAverage
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str, eigen_decomposition_threshold: int | None = None):
+        super().__init__(layer_tag_eq, name)
+        if eigen_decomposition_threshold is None:
+            eigen_decomposition_threshold = get_default_eigen_decomposition_threshold()
+        self._eigen_decomposition_threshold = int(eigen_decomposition_threshold)
+
+    @property
+    def eigen_decomposition_threshold(self) -> int:
+        return self._eigen_decomposition_threshold
+
+    def parameters_list_to_single_vector(self, parameters_shaped_list: Sequence[Array]) -> Array:
+        """Flattens each parameter-shaped array (C order) and concatenates them."""
+        vec = self._check_vector(parameters_shaped_list, "parameters_shaped_list")
+        return jnp.concatenate([jnp.ravel(v) for v in vec])
+
+    def single_vector_to_parameters_list(self, vector: Array) -> tuple[Array, ...]:
+        """Inverse of ``parameters_list_to_single_vector``."""
+        if np.shape(vector) != (self.dim,):
+            raise ValueError(f"{self._name}: expected a vector of shape ({self.dim},), got {np.shape(vector)}.")
+        splits = np.cumsum(self.parameters_sizes)[:-1]
+        return tuple(p.reshape(s) for p, s in zip(jnp.split(vector, splits), self.parameters_shapes))
+
+    def _uses_eigen_for_approx(self, approx: tuple) -> bool:
+        return len(approx) > self._eigen_decomposition_threshold
+
+    def _init(self, rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
+        del rng
+        d, dtype = self.dim, self.dtype
+        cache: dict[str, Any] = {}
+        eigen = bool(exact_powers_to_cache) or self._uses_eigen_for_approx(approx_powers_to_cache)
+        if eigen or cache_eigenvalues:
+            cache["eigenvalues"] = jnp.zeros([d], dtype)
+        if eigen:
+            cache["eigen_vectors"] = jnp.eye(d, dtype=dtype)
+        if not self._uses_eigen_for_approx(approx_powers_to_cache):
+            for p in approx_powers_to_cache:
+                cache[power_key(p)] = {"matrix": jnp.eye(d, dtype=dtype), "identity_weight": jnp.zeros([], dtype)}
+        return Full.State(cache=cache or None, matrix=WeightedMovingAverage.zeros((d, d), dtype))
+
+    def update_curvature_matrix_estimate(
+        self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
+    ):
+        del pmap_axis_name
+        m = self._matrix_from_data(estimation_data, batch_size)
+        if m.shape != (self.dim, self.dim):
+            raise ValueError(f"{self._name}: the estimate has shape {m.shape}, expected {(self.dim, self.dim)}.")
+        state = _copy_state(state)
+        state.matrix.update(m.astype(state.matrix.value.dtype), ema_old, ema_new)
+        return state
+
+    @abc.abstractmethod
+    def _matrix_from_data(self, estimation_data: Mapping[str, Sequence[Array]], batch_size: Numeric) -> Array:
+        """This batch's ``dim x dim`` estimate."""
+
+    def _serves_from_cache(self, power, exact_power):
+        del exact_power
+        return power != 1
+
+    def _multiply_matpower_unscaled(self, state, vector, identity_weight, power, exact_power, use_cached):
+        v = jnp.concatenate([jnp.ravel(x) for x in vector])
+        if use_cached:
+            cache = state.cache or {}
+            key = power_key(power)
+            if not exact_power and key in cache:
+                out = cache[key]["matrix"] @ v
+            elif "eigen_vectors" in cache:
+                out = linalg.eigen_mul(cache["eigen_vectors"], cache["eigenvalues"], v, identity_weight, power)
+            else:
+                raise self._missing_cache(
+                    f"power {power} ({'exact' if exact_power else 'approximate'})",
+                    "exact_powers_to_cache" if exact_power else "approx_powers_to_cache",
+                )
+        else:
+            m = linalg.symmetrize(state.matrix.value)
+            if power == 1:
+                out = m @ v + identity_weight * v
+            elif power == -1:
+                out = linalg.psd_solve(m + identity_weight * jnp.eye(self.dim, dtype=m.dtype), v)
+            else:
+                s, q = linalg.safe_psd_eigh(m)
+                out = linalg.eigen_mul(q, s, v, identity_weight, power)
+        return self.single_vector_to_parameters_list(out)
+
+    def _eigenvalues_unscaled(self, state, use_cached):
+        if use_cached:
+            if not state.cache or "eigenvalues" not in state.cache:
+                raise self._missing_cache("the eigenvalues", "cache_eigenvalues")
+            return state.cache["eigenvalues"]
+        return linalg.safe_eigvalsh(state.matrix.value)
+
+    def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
+        cache = dict(state.cache or {})
+        m = _mul(linalg.symmetrize(state.matrix.value), self.state_dependent_scale(state))
+        eigen = bool(exact_powers) or "eigen_vectors" in cache or self._uses_eigen_for_approx(approx_powers)
+        if eigen:
+            s, q = linalg.safe_psd_eigh(m)
+            cache["eigenvalues"], cache["eigen_vectors"] = s, q
+        elif eigenvalues or "eigenvalues" in cache:
+            cache["eigenvalues"] = linalg.safe_eigvalsh(m)
+        if not self._uses_eigen_for_approx(approx_powers):
+            w = _div(identity_weight, self.fixed_scale())
+            md = m + w * jnp.eye(self.dim, dtype=m.dtype)
+            for p in approx_powers:
+                if p == -1:
+                    mat = linalg.psd_inv(md)
+                elif p == 1:
+                    mat = md
+                else:
+                    mat = linalg.psd_matrix_power(md, p)
+                cache[power_key(p)] = {
+                    "matrix": mat.astype(m.dtype),
+                    "identity_weight": jnp.asarray(identity_weight, m.dtype),
+                }
+        state.cache = cache or None
+        return state
+
+    def _to_dense_unscaled(self, state):
+        return linalg.symmetrize(state.matrix.value)
+
+
+class NaiveFull(Full):
+    """``M <- g g^T / B`` with ``g`` the flattened batch-summed (sampled-loss) gradient."""
+
+    def _matrix_from_data(self, estimation_data, batch_size):
+        tangents = tuple(estimation_data["params_tangent"])
+        if len(tangents) != self.number_of_parameters:
+            raise ValueError(
+                f"{self._name}: expected {self.number_of_parameters} parameter tangents, got {len(tangents)}."
+            )
+        g = jnp.concatenate([jnp.ravel(t) for t in tangents])
+        return jnp.outer(g, g) / batch_size
+
+
+class DenseFull(_DenseLayerMixin, Full):
+    """Per-example Fisher of a dense layer: ``sum_n g_n g_n^T / B``.
+
+    ``g_n`` is example n's flattened (weight, bias) gradient in parameter order.
+    """
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str, eigen_decomposition_threshold: int | None = None):
+        super().__init__(layer_tag_eq, name, eigen_decomposition_threshold)
+        self._check_dense()
+
+    def _matrix_from_data(self, estimation_data, batch_size):
+        x, dy = self._dense_data(estimation_data)
+        grads = self._per_example_grads(x, dy)
+        t = jnp.concatenate([g.reshape(g.shape[0], -1) for g in grads], axis=1)
+        return (t.T @ t) / batch_size
+
+
+# ----------------------------------------------------------------------------------
+# Kronecker-factored family
+# ----------------------------------------------------------------------------------
+
+
+class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
+    """``C ~= A (x) G`` for a layer with a weight and an optional bias.
+
+    The parameters are arranged as one matrix ``V = [W; b^T]`` of shape
+    ``(input_size(), output_size())`` (weight flattened to ``(-1, d_out)``, or
+    transposed first when ``meta["kernel_layout"] == "oi"``); then
+    ``(A (x) G) vec(V) = A V G``.
+
+    Cache layout (all optional, allocated by ``init``):
+    ``"inputs_factor_eigenvalues"``, ``"outputs_factor_eigenvalues"`` (exact powers or
+    eigenvalues), ``"inputs_factor_eigen_vectors"``, ``"outputs_factor_eigen_vectors"``
+    (exact powers; served with the call-time damping), and ``"-1"`` =
+    ``{"inputs_factor": A_d^-1, "outputs_factor": G_d^-1, "identity_weight": w}`` for
+    the approximate (pi-damped) inverse built with the damping ``w`` given to
+    ``update_cache``.
+    """
+
+    @register_state_class
+    class State(CurvatureBlock.State):
+        """``inputs_factor`` (A) and ``outputs_factor`` (G): ``WeightedMovingAverage``s."""
+
+        inputs_factor: WeightedMovingAverage
+        outputs_factor: WeightedMovingAverage
+
+        @property
+        def factors(self) -> tuple[WeightedMovingAverage, WeightedMovingAverage]:
+            return (self.inputs_factor, self.outputs_factor)
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+        super().__init__(layer_tag_eq, name)
+        if self.number_of_parameters not in (1, 2):
+            raise ValueError(
+                f"{name}: a Kronecker-factored block needs a weight and an optional bias, got "
+                f"{self.number_of_parameters} parameters with shapes {self.parameters_shapes}."
+            )
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the layer has a bias (a second parameter)."""
+        return self.number_of_parameters == 2
+
+    @abc.abstractmethod
+    def input_size(self) -> int:
+        """Side of the inputs factor ``A`` (rows of ``V``, bias row included)."""
+
+    @abc.abstractmethod
+    def output_size(self) -> int:
+        """Side of the outputs factor ``G`` (columns of ``V``)."""
+
+    # --- parameters <-> V -------------------------------------------------------------
+
+    def _params_to_array(self, params: Sequence[Any], xp: Any) -> Any:
+        w = params[0]
+        if (self._layer_tag_eq.meta or {}).get("kernel_layout", "io") == "oi" and w.ndim == 2:
+            w = w.T
+        w = w.reshape(-1, w.shape[-1])
+        if self.has_bias:
+            w = xp.concatenate([w, params[1].reshape(1, -1)], axis=0)
+        return w
+
+    def parameters_shaped_list_to_array(self, parameters_shaped_list: Sequence[Array]) -> Array:
+        """The parameters (or a vector shaped like them) as the matrix ``V``."""
+        return self._params_to_array(self._check_vector(parameters_shaped_list, "parameters_shaped_list"), jnp)
+
+    def array_to_parameters_shaped_list(self, array: Array) -> tuple[Array, ...]:
+        """Inverse of ``parameters_shaped_list_to_array``."""
+        shapes = self.parameters_shapes
+        w_rows = array[:-1] if self.has_bias else array
+        oi = (self._layer_tag_eq.meta or {}).get("kernel_layout", "io") == "oi" and len(shapes[0]) == 2
+        w = w_rows.T.reshape(shapes[0]) if oi else w_rows.reshape(shapes[0])
+        out = (w,)
+        if self.has_bias:
+            out += (array[-1].reshape(shapes[1]),)
+        return out
+
+    def _array_shape(self) -> tuple[int, int]:
+        dummies = [np.zeros(s) for s in self.parameters_shapes]
+        return tuple(self._params_to_array(dummies, np).shape)  # type: ignore[return-value]
+
+    def _check_sizes(self) -> None:
+        want = (int(self.input_size()), int(self.output_size()))
+        got = self._array_shape()
+        if got != want:
+            raise ValueError(
+                f"{self._name}: the parameters {self.parameters_shapes} arrange to a matrix of shape {got}, "
+                f"but input_size() x output_size() is {want}."
+            )
+
+    # --- state ------------------------------------------------------------------------
+
+    def _init(self, rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
+        del rng
+        self._check_sizes()
+        di, do, dtype = int(self.input_size()), int(self.output_size()), self.dtype
+        cache: dict[str, Any] = {}
+        if exact_powers_to_cache or cache_eigenvalues:
+            cache["inputs_factor_eigenvalues"] = jnp.zeros([di], dtype)
+            cache["outputs_factor_eigenvalues"] = jnp.zeros([do], dtype)
+        if exact_powers_to_cache:
+            cache["inputs_factor_eigen_vectors"] = jnp.eye(di, dtype=dtype)
+            cache["outputs_factor_eigen_vectors"] = jnp.eye(do, dtype=dtype)
+        for p in approx_powers_to_cache:
+            self._check_approx_cacheable(p)
+            cache["-1"] = {
+                "inputs_factor": jnp.eye(di, dtype=dtype),
+                "outputs_factor": jnp.eye(do, dtype=dtype),
+                "identity_weight": jnp.zeros([], dtype),
+            }
+        return TwoKroneckerFactored.State(
+            cache=cache or None,
+            inputs_factor=WeightedMovingAverage.zeros((di, di), dtype),
+            outputs_factor=WeightedMovingAverage.zeros((do, do), dtype),
+        )
+
+    def _check_approx_cacheable(self, power: Numeric) -> None:
+        if power != -1:
+            raise NotImplementedError(
+                f"{self._name} ({type(self).__name__}): approximate power {power} cannot be cached; only the "
+                "approximate inverse (power -1) can. Use exact powers for other powers."
+            )
+
+    def _factors(self, state: Any) -> tuple[Array, Array]:
+        return linalg.symmetrize(state.inputs_factor.value), linalg.symmetrize(state.outputs_factor.value)
+
+    def _serves_from_cache(self, power, exact_power):
+        return power != 1 if exact_power else power == -1
+
+    def _multiply_matpower_unscaled(self, state, vector, identity_weight, power, exact_power, use_cached):
+        v = self._params_to_array(vector, jnp)
+        cache = state.cache or {}
+        if exact_power:
+            if power == 1:
+                a, g = self._factors(state)
+                out = linalg.kronecker_product_mul(a, g, v) + identity_weight * v
+            elif use_cached:
+                if "inputs_factor_eigen_vectors" not in cache:
+                    raise self._missing_cache(f"exact power {power}", "exact_powers_to_cache")
+                out = linalg.kronecker_eigen_mul(
+                    cache["inputs_factor_eigen_vectors"], cache["inputs_factor_eigenvalues"],
+                    cache["outputs_factor_eigen_vectors"], cache["outputs_factor_eigenvalues"],
+                    v, identity_weight, power,
+                )
+            else:
+                a, g = self._factors(state)
+                sa, qa = linalg.safe_psd_eigh(a)
+                sg, qg = linalg.safe_psd_eigh(g)
+                out = linalg.kronecker_eigen_mul(qa, sa, qg, sg, v, identity_weight, power)
+        elif use_cached:  # power == -1
+            if "-1" not in cache:
+                raise self._missing_cache("the approximate inverse (power -1)", "approx_powers_to_cache")
+            out = cache["-1"]["inputs_factor"] @ v @ cache["-1"]["outputs_factor"]
+        else:
+            a, g = self._factors(state)
+            a_d, g_d = linalg.pi_adjusted_factors(a, g, identity_weight)
+            if power == 1:
+                out = linalg.kronecker_product_mul(a_d, g_d, v)
+            elif power == -1:
+                out = linalg.kronecker_solve(a_d, g_d, v)
+            else:
+                out = linalg.psd_matrix_power(a_d, power) @ v @ linalg.psd_matrix_power(g_d, power)
+        return self.array_to_parameters_shaped_list(out)
+
+    def _eigenvalues_unscaled(self, state, use_cached):
+        if use_cached:
+            cache = state.cache or {}
+            if "inputs_factor_eigenvalues" not in cache:
+                raise self._missing_cache("the eigenvalues", "cache_eigenvalues")
+            sa, sg = cache["inputs_factor_eigenvalues"], cache["outputs_factor_eigenvalues"]
+        else:
+            a, g = self._factors(state)
+            sa, sg = linalg.safe_eigvalsh(a), linalg.safe_eigvalsh(g)
+        return jnp.outer(sa, sg).ravel()
+
+    def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
+        for p in approx_powers:
+            self._check_approx_cacheable(p)
+        cache = dict(state.cache or {})
+        a, g = self._factors(state)
+        s = self.state_dependent_scale(state)
+        if not _is_one(s):
+            root = jnp.sqrt(s)
+            a, g = a * root, g * root
+        if exact_powers or "inputs_factor_eigen_vectors" in cache:
+            sa, qa = linalg.safe_psd_eigh(a)
+            sg, qg = linalg.safe_psd_eigh(g)
+            cache.update(
+                inputs_factor_eigenvalues=sa, outputs_factor_eigenvalues=sg,
+                inputs_factor_eigen_vectors=qa, outputs_factor_eigen_vectors=qg,
+            )
+        elif eigenvalues or "inputs_factor_eigenvalues" in cache:
+            cache.update(
+                inputs_factor_eigenvalues=linalg.safe_eigvalsh(a),
+                outputs_factor_eigenvalues=linalg.safe_eigvalsh(g),
+            )
+        if approx_powers:
+            a_d, g_d = linalg.pi_adjusted_factors(a, g, _div(identity_weight, self.fixed_scale()))
+            cache["-1"] = {
+                "inputs_factor": linalg.psd_inv(a_d),
+                "outputs_factor": linalg.psd_inv(g_d),
+                "identity_weight": jnp.asarray(identity_weight, a.dtype),
+            }
+        state.cache = cache or None
+        return state
+
+    def _to_dense_unscaled(self, state):
+        a, g = self._factors(state)
+        dense_v = jnp.kron(a, g)
+        # perm[k] = position in parameter order of the k-th entry of vec(V).
+        offsets = np.cumsum([0] + list(self.parameters_sizes))
+        index_params = [np.arange(offsets[i], offsets[i + 1]).reshape(s) for i, s in enumerate(self.parameters_shapes)]
+        perm = np.asarray(self._params_to_array(index_params, np)).ravel()
+        inv = np.argsort(perm)
+        return dense_v[inv][:, inv]
+
+
+KroneckerFactored = TwoKroneckerFactored
+
+
+class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
+    """K-FAC for dense layers: ``A = E[x x^T]`` (x with a trailing 1 for the bias), ``G = E[dy dy^T]``.
+
+    With extra (sequence) axes the positions are treated like extra examples
+    for ``A`` (averaged over ``B * T`` rows) while ``G`` sums them per example
+    (divided by ``B``): the "KFAC-expand" convention. For 2-D inputs both are
+    plain batch averages, and for a single example ``A (x) G`` is exactly the
+    outer product of the gradient.
+    """
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+        super().__init__(layer_tag_eq, name)
+        self._check_dense()
+
+    def input_size(self) -> int:
+        return self.dense_in_dim + int(self.has_bias)
+
+    def output_size(self) -> int:
+        return self.dense_out_dim
+
+    def update_curvature_matrix_estimate(
+        self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
+    ):
+        del pmap_axis_name
+        x, dy = self._dense_data(estimation_data)
+        x = _per_example(x, self.dense_in_dim, "inputs[0]").reshape(-1, self.dense_in_dim)
+        dy = _per_example(dy, self.dense_out_dim, "outputs_tangent[0]").reshape(-1, self.dense_out_dim)
+        if x.shape[0] != dy.shape[0]:
+            raise ValueError(f"{self._name}: inputs and output tangents have different numbers of rows.")
+        dtype = self.dtype
+        x, dy = x.astype(dtype), dy.astype(dtype)
+        if self.has_bias:
+            x = jnp.concatenate([x, jnp.ones((x.shape[0], 1), dtype)], axis=1)
+        a = (x.T @ x) / x.shape[0]
+        g = (dy.T @ dy) / batch_size
+        state = _copy_state(state)
+        state.inputs_factor.update(a, ema_old, ema_new)
+        state.outputs_factor.update(g, ema_old, ema_new)
+        return state
+
+
+# ----------------------------------------------------------------------------------
+# Defaults
+# ----------------------------------------------------------------------------------
+
+_DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, Callable[..., CurvatureBlock]] = {
+    "dense": DenseTwoKroneckerFactored,
+    "generic": NaiveDiagonal,
+}
+
+
+def _tag_name(tag_name: Any) -> str:
+    name = getattr(tag_name, "name", tag_name)
+    if not isinstance(name, str):
+        raise TypeError(f"A tag name must be a string (or a LayerTag), got {type(tag_name).__name__}.")
+    return name
+
+
+def set_default_tag_to_block_ctor(tag_name: Any, block_ctor: Callable[..., CurvatureBlock]) -> None:
+    """Makes ``block_ctor(layer_tag_eq, name)`` the default block for layers tagged ``tag_name``."""
+    if not callable(block_ctor):
+        raise TypeError(f"`block_ctor` must be callable, got {type(block_ctor).__name__}.")
+    _DEFAULT_TAG_TO_BLOCK_CTOR[_tag_name(tag_name)] = block_ctor
+
+
+def get_default_tag_to_block_ctor(tag_name: Any) -> Callable[..., CurvatureBlock]:
+    """The default block constructor for a tag name (``"dense"``, ``"generic"``, ...).
+
+    kfac-jax style names with a ``_tag`` suffix (``"dense_tag"``) are accepted too.
+    """
+    name = _tag_name(tag_name)
+    if name in _DEFAULT_TAG_TO_BLOCK_CTOR:
+        return _DEFAULT_TAG_TO_BLOCK_CTOR[name]
+    if name.endswith("_tag") and name[: -len("_tag")] in _DEFAULT_TAG_TO_BLOCK_CTOR:
+        return _DEFAULT_TAG_TO_BLOCK_CTOR[name[: -len("_tag")]]
+    raise ValueError(
+        f"No default curvature block for layer tag {name!r}; known tags: {sorted(_DEFAULT_TAG_TO_BLOCK_CTOR)}. "
+        "Register one with `set_default_tag_to_block_ctor` or pass `layer_tag_to_block_ctor`."
+    )
+
+
+_MAX_PARALLEL_ELEMENTS = 2**23
+
+
+def set_max_parallel_elements(value: int) -> None:
+    """Sets the memory/parallelism trade-off knob of per-example blocks (kept for API parity)."""
+    global _MAX_PARALLEL_ELEMENTS
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"max parallel elements must be a positive int, got {value!r}.")
+    _MAX_PARALLEL_ELEMENTS = int(value)
+
+
+def get_max_parallel_elements() -> int:
+    """The current value set by ``set_max_parallel_elements``."""
+    return _MAX_PARALLEL_ELEMENTS

@@ -1,0 +1,302 @@
+"""Layer detection: find the layers of a traced function.
+
+Layers come from two places: tags the user bound by hand (``register_dense``,
+``register_generic``) and patterns we recognise in the equations. A pattern is
+a small matcher over the flat ``Program``; each returns ``LayerSite``s. Every
+parameter that ends up in no layer gets a ``generic`` site of its own, so each
+parameter has exactly one curvature block.
+
+Adding a layer type means adding one matcher here (and a block for its tag).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from curvax import tags
+from curvax.tracing import Key, LayerSite, Lit, Program
+
+# Ops that only broadcast/reshape/cast a bias vector on its way to the add.
+_BIAS_PLUMBING = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "expand_dims", "squeeze", "copy"})
+_ADD_OPS = frozenset({"add", "add_any"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Detection:
+    """The outcome of detection: layer sites (sorted by parameter) and notes."""
+
+    sites: tuple[LayerSite, ...]
+    notes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Match:
+    tag: tags.LayerTag
+    output: Key
+    inputs: tuple[Any, ...]
+    params: tuple[Key, ...]
+    meta: dict
+    pattern: str
+    nodes: frozenset[int]
+
+
+Matcher = Callable[[Program, int, "_Context"], "_Match | None"]
+
+
+@dataclasses.dataclass
+class _Context:
+    live: frozenset[int]
+    matchable_params: set[Key]
+
+    def consumers(self, program: Program, key: Key) -> list[int]:
+        return [i for i in program.consumers.get(key, []) if i in self.live]
+
+
+def _bias_source(program: Program, ctx: _Context, atom: Any) -> tuple[Key, list[int]] | None:
+    """Follows broadcast/reshape/cast equations back from ``atom`` to a parameter."""
+    chain: list[int] = []
+    while not isinstance(atom, Lit):
+        if atom in ctx.matchable_params:
+            return atom, chain[::-1]
+        idx = program.producer.get(atom)
+        if idx is None:
+            return None
+        node = program.nodes[idx]
+        if node.primitive.name not in _BIAS_PLUMBING or len(node.inputs) != 1:
+            return None
+        chain.append(idx)
+        atom = node.inputs[0]
+    return None
+
+
+def _bias_maps_to_feature_axis(program: Program, chain: Sequence[int], bias_key: Key, out_shape: tuple, axis: int) -> bool:
+    """Checks numerically that the plumbing places ``b[j]`` at index j of ``axis``."""
+    d = program.avals[bias_key].shape
+    if len(d) != 1 or d[0] != out_shape[axis]:
+        return False
+    val: Any = np.arange(1, d[0] + 1, dtype=np.float32)
+    try:
+        for idx in chain:
+            node = program.nodes[idx]
+            params = dict(node.params)
+            if node.primitive.name == "convert_element_type":
+                params["new_dtype"] = np.float32
+            val = np.asarray(node.primitive.bind(val, **params))
+        got = np.broadcast_to(val, out_shape)
+    except Exception:  # noqa: BLE001 - any failure means "not a bias"
+        return False
+    shape = [1] * len(out_shape)
+    shape[axis] = d[0]
+    want = np.broadcast_to(np.arange(1, d[0] + 1, dtype=np.float32).reshape(shape), out_shape)
+    return bool(np.array_equal(got, want))
+
+
+def match_dense(program: Program, idx: int, ctx: _Context) -> _Match | None:
+    """``y = x @ W (+ b)`` as a ``dot_general`` with a 2-D parameter operand.
+
+    Works for either kernel layout (``(d_in, d_out)`` or ``(d_out, d_in)``) and
+    either operand order, and for any number of leading dims of ``x``.
+    """
+    node = program.nodes[idx]
+    if node.primitive.name != "dot_general" or len(node.inputs) != 2:
+        return None
+    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+    if lb or rb or len(lc) != 1 or len(rc) != 1:
+        return None
+    a, b = node.inputs
+    a_is_p = not isinstance(a, Lit) and a in ctx.matchable_params
+    b_is_p = not isinstance(b, Lit) and b in ctx.matchable_params
+    if a_is_p == b_is_p:
+        return None
+    w, x = (a, b) if a_is_p else (b, a)
+    if isinstance(x, Lit) or len(program.avals[w].shape) != 2:
+        return None
+    w_contract = (lc if a_is_p else rc)[0]
+    x_contract = (rc if a_is_p else lc)[0]
+    x_ndim = len(program.avals[x].shape)
+    if x_ndim < 1:
+        return None
+    y = node.outputs[0]
+    out_shape = tuple(program.avals[y].shape)
+    # dot_general output: lhs free dims, then rhs free dims.
+    out_axis = 0 if a_is_p else x_ndim - 1
+    meta = {
+        "kernel_layout": "io" if w_contract == 0 else "oi",
+        "input_feature_axis": x_contract,
+        "output_feature_axis": out_axis,
+    }
+    nodes = {idx}
+    params: tuple[Key, ...] = (w,)
+    output: Key = y
+    pattern = "dense_no_bias"
+    users = ctx.consumers(program, y)
+    # A transpose right after the product (e.g. ``W @ x`` under ``vmap``) is part of the layer.
+    if len(users) == 1 and program.nodes[users[0]].primitive.name == "transpose":
+        tnode = program.nodes[users[0]]
+        perm = tuple(tnode.params["permutation"])
+        out_axis = perm.index(out_axis)
+        meta["output_feature_axis"] = out_axis
+        y = output = tnode.outputs[0]
+        out_shape = tuple(program.avals[y].shape)
+        nodes.add(users[0])
+        users = ctx.consumers(program, y)
+    if len(users) == 1 and program.nodes[users[0]].primitive.name in _ADD_OPS:
+        add = program.nodes[users[0]]
+        other = add.inputs[1] if add.inputs[0] == y else add.inputs[0]
+        found = _bias_source(program, ctx, other)
+        add_out = add.outputs[0]
+        if (
+            found is not None
+            and found[0] != w
+            and tuple(program.avals[add_out].shape) == out_shape
+            and _bias_maps_to_feature_axis(program, found[1], found[0], out_shape, out_axis)
+        ):
+            params = (w, found[0])
+            output = add_out
+            nodes |= {users[0], *found[1]}
+            pattern = "dense_with_bias"
+    return _Match(tags.dense, output, (x,), params, meta, pattern, frozenset(nodes))
+
+
+# Matchers in order of precedence. Each tries to claim the equation at an index.
+DEFAULT_MATCHERS: tuple[tuple[str, Matcher], ...] = (("dense", match_dense),)
+PATTERN_NAMES = ("dense_with_bias", "dense_no_bias")
+
+
+def detect_layers(
+    program: Program,
+    live: Sequence[int],
+    num_params: int,
+    register_only_generic: bool = False,
+    patterns_to_skip: Sequence[str] = (),
+) -> Detection:
+    """Finds every layer among the live nodes of ``program``.
+
+    Manual tags win; patterns then claim single-use parameters; each remaining
+    parameter gets a generic site. Parameters used several times (weight
+    sharing) are left to the generic block and reported in ``notes``.
+    """
+    unknown = set(patterns_to_skip) - set(PATTERN_NAMES) - {"dense"}
+    if unknown:
+        raise ValueError(f"patterns_to_skip: unknown pattern names {sorted(unknown)}; known: {list(PATTERN_NAMES)}.")
+    param_keys = [program.input_keys[i] for i in range(num_params)]
+    index_of = {k: i for i, k in enumerate(param_keys)}
+    live_set = frozenset(live)
+    notes: list[str] = []
+    matches: list[_Match] = []
+    claimed: set[Key] = set()
+
+    # 1. Manual registrations.
+    for i in live:
+        node = program.nodes[i]
+        prim = node.primitive
+        if not isinstance(prim, tags.LayerTag):
+            continue
+        outs, ins, ps = prim.split_operands(node.inputs)
+        for p in ps:
+            if isinstance(p, Lit) or p not in index_of:
+                raise ValueError(
+                    f"A manually registered '{prim.name}' layer takes a parameter that is not one of the "
+                    "model's parameter leaves (it was computed from them or is a constant). Register the raw "
+                    "parameter arrays from the `params` argument."
+                )
+            if p in claimed:
+                raise ValueError(f"Parameter {index_of[p]} is registered in more than one layer tag.")
+            claimed.add(p)
+        meta = dict(node.params)
+        if prim.name == "dense":
+            meta.setdefault("kernel_layout", "io")
+            meta.setdefault("input_feature_axis", -1)
+            meta.setdefault("output_feature_axis", -1)
+        matches.append(_Match(prim, node.outputs[0], tuple(ins), tuple(ps), meta, "manual", frozenset({i})))
+
+    # 2. Patterns, on parameters used exactly once and not tagged by hand.
+    use_count: dict[Key, int] = {}
+    for i in live:
+        for a in program.nodes[i].inputs:
+            if not isinstance(a, Lit) and a in index_of:
+                use_count[a] = use_count.get(a, 0) + 1
+    for k, c in use_count.items():
+        if c > 1 and k not in claimed:
+            notes.append(f"parameter {index_of[k]} is used {c} times (weight sharing); it gets a generic block")
+    matchable = {k for k in param_keys if use_count.get(k, 0) == 1 and k not in claimed}
+    ctx = _Context(live_set, matchable)
+    if not register_only_generic:
+        taken: set[int] = set()
+        for i in reversed(live):
+            if i in taken:
+                continue
+            for _, matcher in DEFAULT_MATCHERS:
+                m = matcher(program, i, ctx)
+                if m is None or m.pattern in patterns_to_skip or "dense" in patterns_to_skip:
+                    continue
+                if any(p in claimed for p in m.params) or m.nodes & taken:
+                    continue
+                matches.append(m)
+                taken |= m.nodes
+                claimed.update(m.params)
+                ctx.matchable_params.difference_update(m.params)
+                break
+
+    # 3. Everything else is generic.
+    for k in param_keys:
+        if k not in claimed:
+            matches.append(_Match(tags.generic, k, (), (k,), {}, "generic", frozenset()))
+
+    matches.sort(key=lambda m: min(index_of[p] for p in m.params))
+    sites = []
+    counts: dict[str, int] = {}
+    for m in matches:
+        n = counts.get(m.pattern, 0)
+        counts[m.pattern] = n + 1
+        kind = "Manual" if m.pattern == "manual" else "Auto"
+        label = m.tag.name if m.pattern in ("manual", "generic") else m.pattern
+        sites.append(
+            LayerSite(
+                tag=m.tag,
+                output=m.output,
+                inputs=m.inputs,
+                param_indices=tuple(index_of[p] for p in m.params),
+                meta=m.meta,
+                name=f"{kind}[{label}({n})]",
+                pattern=m.pattern,
+            )
+        )
+    return Detection(tuple(sites), tuple(notes))
+
+
+def site_to_tag_eqn(program: Program, site: LayerSite) -> tags.LayerTagEqn:
+    """The block-facing description of a layer (shapes, dtypes, meta)."""
+
+    def struct(a: Any) -> jax.ShapeDtypeStruct:
+        if isinstance(a, Lit):
+            arr = np.asarray(a.value)
+            return jax.ShapeDtypeStruct(arr.shape, arr.dtype)
+        aval = program.avals[a]
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+    def moved(s: jax.ShapeDtypeStruct, axis: Any) -> jax.ShapeDtypeStruct:
+        if axis is None or not s.shape:
+            return s
+        shape = list(s.shape)
+        shape.append(shape.pop(axis))
+        return jax.ShapeDtypeStruct(tuple(shape), s.dtype)
+
+    params = tuple(struct(program.input_keys[i]) for i in site.param_indices)
+    out_axis = site.meta.get("output_feature_axis")
+    in_axis = site.meta.get("input_feature_axis")
+    outputs = () if site.tag is tags.generic else (moved(struct(site.output), out_axis),)
+    inputs = tuple(moved(struct(a), in_axis) for a in site.inputs)
+    return tags.LayerTagEqn(
+        primitive=site.tag,
+        outputs=outputs,
+        inputs=inputs,
+        params=params,
+        param_indices=site.param_indices,
+        meta=dict(site.meta),
+        name=site.name,
+    )

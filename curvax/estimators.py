@@ -1,0 +1,555 @@
+"""Curvature estimators: a model's curvature as a set of blocks, and exact products.
+
+``BlockDiagonalCurvature`` owns one curvature block per layer of a traced
+model. Updating it runs the model forward once, draws loss cotangents according
+to the estimation mode, back-propagates them to every layer output, and hands
+each block its layer's inputs and output gradients.
+
+Normalisation convention (tested): the model's loss is the mean over the batch
+of per-example losses, each registered loss contributing
+``weight * sum(per-example values) / batch_size``. The estimated matrices are
+then those of that mean loss, e.g. the Fisher ``(1/B) sum_n J_n^T F_n J_n``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from curvax import blocks as blocks_lib
+from curvax import tags, utils
+from curvax.transforms import ProcessedJaxpr, _Cache, assemble_layer_data
+
+ESTIMATION_MODES = (
+    "fisher_gradients",
+    "fisher_empirical",
+    "fisher_curvature_prop",
+    "fisher_exact",
+    "ggn_curvature_prop",
+    "ggn_exact",
+)
+
+
+def check_estimation_mode(mode: str, arg_name: str = "estimation_mode") -> str:
+    if mode not in ESTIMATION_MODES:
+        raise ValueError(f"`{arg_name}` must be one of {list(ESTIMATION_MODES)}, got {mode!r}.")
+    return mode
+
+
+def loss_cotangents(losses: Sequence[Any], rng: jax.Array, mode: str) -> tuple[tuple[jax.Array, ...], ...]:
+    """One cotangent per loss input whose outer product estimates the loss curvature.
+
+    ``E[c c^T]`` equals the (weighted) Fisher or GGN of each loss w.r.t. its
+    inputs, per example; ``fisher_empirical`` uses the observed targets.
+    """
+    keys = jax.random.split(rng, max(len(losses), 1))
+    out = []
+    for loss, key in zip(losses, keys):
+        if mode == "fisher_gradients":
+            _require_nll(loss, mode)
+            out.append(tuple(loss.grad_of_evaluate_on_sample(key, coefficient_mode="sqrt")))
+        elif mode == "fisher_empirical":
+            if loss.targets is None:
+                raise ValueError(
+                    f"estimation_mode='fisher_empirical' needs targets, but a {type(loss).__name__} was "
+                    "registered without `targets`; pass the targets to its register_* call."
+                )
+            out.append(tuple(loss.grad_of_evaluate(None, coefficient_mode="sqrt")))
+        elif mode in ("fisher_curvature_prop", "ggn_curvature_prop"):
+            kind = mode.split("_")[0]
+            if kind == "fisher":
+                _require_nll(loss, mode)
+            shape = getattr(loss, f"{kind}_factor_inner_shape")
+            r = jax.random.rademacher(key, shape, dtype=loss.dtype)
+            out.append(tuple(getattr(loss, f"multiply_{kind}_factor")(r)))
+        else:
+            raise ValueError(f"loss_cotangents: unsupported mode {mode!r}.")
+    return tuple(out)
+
+
+def _require_nll(loss: Any, mode: str) -> None:
+    if not hasattr(loss, "grad_of_evaluate_on_sample"):
+        raise ValueError(
+            f"estimation_mode={mode!r} needs a probabilistic loss (a NegativeLogProbLoss), but "
+            f"{type(loss).__name__} is not one; use a 'ggn_*' mode."
+        )
+
+
+def exact_cotangent_fn(losses: Sequence[Any], mode: str) -> tuple[int, Callable[[jax.Array], tuple]]:
+    """For exact modes: the number K of factor columns and ``k -> sqrt(K) * B e_k``.
+
+    Summing the outer products of these K cotangents (divided by K) gives the
+    exact loss curvature; ``sqrt(K)`` compensates the average over k that the
+    blocks' moving averages take.
+    """
+    kind = mode.split("_")[0]
+    sizes = []
+    for loss in losses:
+        if kind == "fisher":
+            _require_nll(loss, mode)
+        shape = getattr(loss, f"{kind}_factor_inner_shape")
+        sizes.append(int(np.prod(shape[1:])))
+    total = int(sum(sizes))
+    offsets = np.cumsum([0] + sizes)
+
+    def cot(k: jax.Array) -> tuple:
+        out = []
+        for i, loss in enumerate(losses):
+            shape = getattr(loss, f"{kind}_factor_inner_shape")
+            local = k - offsets[i]
+            inside = (local >= 0) & (local < sizes[i])
+            onehot = jax.nn.one_hot(jnp.clip(local, 0, sizes[i] - 1), sizes[i], dtype=loss.dtype)
+            onehot = jnp.broadcast_to(onehot.reshape((1,) + tuple(shape[1:])), shape) * inside
+            vec = getattr(loss, f"multiply_{kind}_factor")(onehot)
+            out.append(tuple(jnp.sqrt(jnp.asarray(total, loss.dtype)) * v for v in vec))
+        return tuple(out)
+
+    return total, cot
+
+
+class CurvatureEstimator(abc.ABC):
+    """Something that estimates a curvature matrix of ``func`` and multiplies with it."""
+
+    def __init__(self, func: Callable[..., Any], params_index: int = 0, default_estimation_mode: str = "fisher_gradients"):
+        if not callable(func):
+            raise TypeError(f"`func` must be callable, got {type(func).__name__}.")
+        self.func = func
+        self.params_index = params_index
+        self.default_estimation_mode = check_estimation_mode(default_estimation_mode, "default_estimation_mode")
+
+    @property
+    def default_mat_type(self) -> str:
+        return self.default_estimation_mode.split("_")[0]
+
+    @property
+    @abc.abstractmethod
+    def dim(self) -> int:
+        """The number of parameters."""
+
+    @abc.abstractmethod
+    def init(self, rng, func_args, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues=False) -> Any:
+        """The initial state."""
+
+    @abc.abstractmethod
+    def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power, exact_power, use_cached, pmap_axis_name=None) -> Any:
+        """``(C + identity_weight I)^power v``."""
+
+    def multiply(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None) -> Any:
+        return self.multiply_matpower(state, parameter_structured_vector, identity_weight, 1, exact_power, use_cached, pmap_axis_name)
+
+    def multiply_inverse(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None) -> Any:
+        return self.multiply_matpower(state, parameter_structured_vector, identity_weight, -1, exact_power, use_cached, pmap_axis_name)
+
+    @abc.abstractmethod
+    def eigenvalues(self, state, use_cached) -> jax.Array:
+        """Eigenvalues of the estimated matrix."""
+
+    @abc.abstractmethod
+    def update_curvature_matrix_estimate(self, state, ema_old, ema_new, batch_size, rng, func_args, pmap_axis_name=None, estimation_mode=None) -> Any:
+        """Folds a new estimate from ``func_args`` into the moving average."""
+
+    @abc.abstractmethod
+    def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues, pmap_axis_name=None) -> Any:
+        """Refreshes cached matrix powers/eigenvalues."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BlockDiagonalState:
+    """State of a ``BlockDiagonalCurvature``: one state per block."""
+
+    blocks_states: tuple
+
+
+class BlockDiagonalCurvature(CurvatureEstimator):
+    """A block-diagonal curvature estimate: one block per detected layer."""
+
+    State = BlockDiagonalState
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        params_index: int = 0,
+        default_estimation_mode: str = "fisher_gradients",
+        layer_tag_to_block_ctor: Mapping[str, Any] | None = None,
+        index_to_block_ctor: Mapping[tuple[int, ...], Any] | None = None,
+        auto_register_tags: bool = True,
+        distributed_multiplies: bool = True,
+        distributed_cache_updates: bool = True,
+        **auto_register_kwargs: Any,
+    ):
+        super().__init__(func, params_index, default_estimation_mode)
+        self._layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
+        self._index_to_block_ctor = {tuple(k): v for k, v in (index_to_block_ctor or {}).items()}
+        self._cache = _Cache(func, params_index, auto_register_tags=auto_register_tags, **auto_register_kwargs)
+        self._blocks: tuple[Any, ...] | None = None
+        self._pj: ProcessedJaxpr | None = None
+
+    # --- structure ----------------------------------------------------------------
+
+    def finalize(self, func_args: Sequence[Any]) -> None:
+        """Traces ``func`` on ``func_args`` and builds the blocks (once)."""
+        pj = self._cache.get(func_args)
+        if self._blocks is not None:
+            return
+        self._pj = pj
+        blocks = []
+        for site, eqn in zip(pj.layer_sites, pj.layer_tags):
+            ctor = self._index_to_block_ctor.get(site.param_indices)
+            if ctor is None:
+                ctor = self._layer_tag_to_block_ctor.get(site.tag.name)
+            if ctor is None:
+                ctor = blocks_lib.get_default_tag_to_block_ctor(site.tag.name)
+            blocks.append(ctor(eqn, site.name))
+        self._blocks = tuple(blocks)
+
+    def _require_finalized(self) -> None:
+        if self._blocks is None:
+            raise RuntimeError("The estimator is not initialized yet: call `init` (or `finalize`) with example arguments.")
+
+    @property
+    def processed_jaxpr(self) -> ProcessedJaxpr:
+        self._require_finalized()
+        return self._pj  # type: ignore[return-value]
+
+    @property
+    def blocks(self) -> tuple[Any, ...] | None:
+        return self._blocks
+
+    @property
+    def num_blocks(self) -> int:
+        self._require_finalized()
+        return len(self._blocks)  # type: ignore[arg-type]
+
+    @property
+    def block_dims(self) -> tuple[int, ...]:
+        self._require_finalized()
+        return tuple(b.dim for b in self._blocks)  # type: ignore[union-attr]
+
+    @property
+    def dim(self) -> int:
+        return int(sum(self.block_dims))
+
+    @property
+    def num_params_variables(self) -> int:
+        return self.processed_jaxpr.num_params
+
+    @property
+    def params_structure_vector_of_indices(self) -> Any:
+        pj = self.processed_jaxpr
+        return jax.tree_util.tree_unflatten(pj.params_tree, list(range(pj.num_params)))
+
+    @property
+    def indices_to_block_map(self) -> dict[tuple[int, ...], Any]:
+        pj = self.processed_jaxpr
+        return {idx: b for idx, b in zip(pj.layer_indices, self._blocks)}  # type: ignore[arg-type]
+
+    @property
+    def params_block_index(self) -> Any:
+        pj = self.processed_jaxpr
+        flat = [0] * pj.num_params
+        for j, idx in enumerate(pj.layer_indices):
+            for i in idx:
+                flat[i] = j
+        return jax.tree_util.tree_unflatten(pj.params_tree, flat)
+
+    def params_vector_to_blocks_vectors(self, parameter_structured_vector: Any) -> tuple[tuple[jax.Array, ...], ...]:
+        pj = self.processed_jaxpr
+        leaves, tree = jax.tree_util.tree_flatten(parameter_structured_vector)
+        if tree != pj.params_tree:
+            raise ValueError(
+                "The vector must have the structure of the parameters:\n"
+                f"expected {pj.params_tree}\ngot      {tree}"
+            )
+        for i, (leaf, eqn_idx) in enumerate(zip(leaves, range(len(leaves)))):
+            want = pj.program.avals[pj.program.input_keys[pj.params_offset + i]].shape
+            if np.shape(leaf) != tuple(want):
+                raise ValueError(f"Vector leaf {i} has shape {np.shape(leaf)}, the parameter has shape {tuple(want)}.")
+        return tuple(tuple(leaves[i] for i in idx) for idx in pj.layer_indices)
+
+    def blocks_vectors_to_params_vector(self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Any:
+        pj = self.processed_jaxpr
+        flat: list[Any] = [None] * pj.num_params
+        for idx, vecs in zip(pj.layer_indices, blocks_vectors):
+            for i, v in zip(idx, vecs):
+                flat[i] = v
+        return jax.tree_util.tree_unflatten(pj.params_tree, flat)
+
+    def _per_block(self, value: Any, name: str) -> tuple[Any, ...]:
+        if isinstance(value, (list, tuple)):
+            if len(value) != self.num_blocks:
+                raise ValueError(f"`{name}` has {len(value)} entries but there are {self.num_blocks} blocks.")
+            return tuple(value)
+        return (value,) * self.num_blocks
+
+    # --- state ----------------------------------------------------------------------
+
+    def init(self, rng, func_args, exact_powers_to_cache=None, approx_powers_to_cache=None, cache_eigenvalues=False) -> BlockDiagonalState:
+        self.finalize(func_args)
+        keys = jax.random.split(rng, self.num_blocks)
+        return BlockDiagonalState(
+            tuple(
+                b.init(k, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues)
+                for b, k in zip(self._blocks, keys)  # type: ignore[arg-type]
+            )
+        )
+
+    def update_blocks(self, state: BlockDiagonalState, layer_data: Sequence[dict], ema_old: Any, ema_new: Any, batch_size: Any, pmap_axis_name: str | None = None) -> BlockDiagonalState:
+        """Feeds per-layer estimation data to each block."""
+        return BlockDiagonalState(
+            tuple(
+                b.update_curvature_matrix_estimate(s, d, ema_old, ema_new, batch_size, pmap_axis_name)
+                for b, s, d in zip(self._blocks, state.blocks_states, layer_data)  # type: ignore[arg-type]
+            )
+        )
+
+    def update_curvature_matrix_estimate(
+        self, state, ema_old, ema_new, batch_size, rng, func_args, pmap_axis_name=None, estimation_mode=None
+    ) -> BlockDiagonalState:
+        self.finalize(func_args)
+        mode = check_estimation_mode(estimation_mode or self.default_estimation_mode)
+        pj = self._pj
+        p, o = pj.split_args(func_args)  # type: ignore[union-attr]
+        eps = pj.zero_perturbations(p, o)  # type: ignore[union-attr]
+        (deps, _), vjp, (ops, layer_data) = jax.vjp(lambda q, e: pj.evaluate(q, o, e), p, eps, has_aux=True)  # type: ignore[union-attr]
+        losses = pj.losses_from_operands(ops)  # type: ignore[union-attr]
+
+        def data_for(cot: tuple) -> list[dict]:
+            dp, de = vjp((cot, ()))
+            return assemble_layer_data(pj, p, layer_data, dp, de)  # type: ignore[arg-type]
+
+        return self._update_from_cotangents(state, losses, data_for, rng, mode, ema_old, ema_new, batch_size, pmap_axis_name)
+
+    def _update_from_cotangents(self, state, losses, data_for, rng, mode, ema_old, ema_new, batch_size, pmap_axis_name):
+        if mode.endswith("_exact"):
+            total, cot_fn = exact_cotangent_fn(losses, mode)
+
+            def body(k: jax.Array, st: BlockDiagonalState) -> BlockDiagonalState:
+                old = jnp.where(k == 0, ema_old, 1.0)
+                return self.update_blocks(st, data_for(cot_fn(k)), old, ema_new / total, batch_size, pmap_axis_name)
+
+            return jax.lax.fori_loop(0, total, body, state)
+        return self.update_blocks(state, data_for(loss_cotangents(losses, rng, mode)), ema_old, ema_new, batch_size, pmap_axis_name)
+
+    def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues, pmap_axis_name=None) -> BlockDiagonalState:
+        self._require_finalized()
+        weights = self._per_block(identity_weight, "identity_weight")
+        return BlockDiagonalState(
+            tuple(
+                b.update_cache(s, w, exact_powers, approx_powers, eigenvalues)
+                for b, s, w in zip(self._blocks, state.blocks_states, weights)  # type: ignore[arg-type]
+            )
+        )
+
+    # --- products -----------------------------------------------------------------------
+
+    def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power, exact_power, use_cached, pmap_axis_name=None) -> Any:
+        self._require_finalized()
+        vecs = self.params_vector_to_blocks_vectors(parameter_structured_vector)
+        weights = self._per_block(identity_weight, "identity_weight")
+        out = tuple(
+            b.multiply_matpower(s, v, w, power, exact_power, use_cached)
+            for b, s, v, w in zip(self._blocks, state.blocks_states, vecs, weights)  # type: ignore[arg-type]
+        )
+        return self.blocks_vectors_to_params_vector(out)
+
+    def block_eigenvalues(self, state, use_cached) -> tuple[jax.Array, ...]:
+        self._require_finalized()
+        return tuple(b.eigenvalues(s, use_cached) for b, s in zip(self._blocks, state.blocks_states))  # type: ignore[arg-type]
+
+    def eigenvalues(self, state, use_cached) -> jax.Array:
+        return jnp.concatenate([jnp.ravel(e) for e in self.block_eigenvalues(state, use_cached)])
+
+    def to_dense_matrix(self, state) -> jax.Array:
+        """The block-diagonal matrix in the flat parameter order (leaves in pytree order)."""
+        self._require_finalized()
+        pj = self._pj
+        sizes = [int(np.prod(pj.program.avals[pj.program.input_keys[pj.params_offset + i]].shape)) for i in range(pj.num_params)]  # type: ignore[union-attr]
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        n = int(offsets[-1])
+        dense = jnp.zeros((n, n))
+        for b, s, idx in zip(self._blocks, state.blocks_states, pj.layer_indices):  # type: ignore[union-attr]
+            m = b.to_dense_matrix(s)
+            pos = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
+            dense = dense.astype(m.dtype).at[np.ix_(pos, pos)].set(m)
+        return dense
+
+
+class ExplicitExactCurvature(BlockDiagonalCurvature):
+    """The full curvature matrix of all parameters, built example by example.
+
+    One ``NaiveFull`` block holds a ``dim x dim`` matrix; each example's
+    contribution is the outer product of its (sampled, or in exact modes
+    column-by-column) loss gradients. With ``fisher_exact``/``ggn_exact`` this is
+    exactly ``(1/B) sum_n J_n^T M_n J_n``. Memory is ``dim**2``: small models only.
+    """
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        params_index: int = 0,
+        batch_index: int = 1,
+        default_estimation_mode: str = "fisher_exact",
+        layer_tag_to_block_ctor: Mapping[str, Any] | None = None,
+        index_to_block_ctor: Mapping[tuple[int, ...], Any] | None = None,
+        auto_register_tags: bool = True,
+        **auto_register_kwargs: Any,
+    ):
+        super().__init__(func, params_index, default_estimation_mode, auto_register_tags=False)
+        self._batch_index = batch_index
+        self._full_ctor = (layer_tag_to_block_ctor or {}).get("generic", blocks_lib.NaiveFull)
+
+    @property
+    def batch_index(self) -> int:
+        return self._batch_index
+
+    def finalize(self, func_args: Sequence[Any]) -> None:
+        pj = self._cache.get(func_args)
+        if self._blocks is not None:
+            return
+        self._pj = pj
+        structs = tuple(
+            jax.ShapeDtypeStruct(pj.program.avals[pj.program.input_keys[pj.params_offset + i]].shape,
+                                 pj.program.avals[pj.program.input_keys[pj.params_offset + i]].dtype)
+            for i in range(pj.num_params)
+        )
+        eqn = tags.LayerTagEqn(tags.generic, (), (), structs, tuple(range(pj.num_params)), {}, "Exact[all parameters]")
+        self._blocks = (self._full_ctor(eqn, eqn.name),)
+        self._all_indices = (tuple(range(pj.num_params)),)
+
+    def params_vector_to_blocks_vectors(self, parameter_structured_vector: Any) -> tuple[tuple[jax.Array, ...], ...]:
+        self._require_finalized()
+        leaves, tree = jax.tree_util.tree_flatten(parameter_structured_vector)
+        if tree != self._pj.params_tree:  # type: ignore[union-attr]
+            raise ValueError(f"The vector must have the structure of the parameters: {self._pj.params_tree}, got {tree}.")  # type: ignore[union-attr]
+        return (tuple(leaves),)
+
+    def blocks_vectors_to_params_vector(self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Any:
+        return jax.tree_util.tree_unflatten(self._pj.params_tree, list(blocks_vectors[0]))  # type: ignore[union-attr]
+
+    @property
+    def indices_to_block_map(self) -> dict[tuple[int, ...], Any]:
+        return {self._all_indices[0]: self._blocks[0]}  # type: ignore[index]
+
+    @property
+    def params_block_index(self) -> Any:
+        pj = self.processed_jaxpr
+        return jax.tree_util.tree_unflatten(pj.params_tree, [0] * pj.num_params)
+
+    def to_dense_matrix(self, state) -> jax.Array:
+        self._require_finalized()
+        return self._blocks[0].to_dense_matrix(state.blocks_states[0])  # type: ignore[index]
+
+    def update_curvature_matrix_estimate(
+        self, state, ema_old, ema_new, batch_size, rng, func_args, pmap_axis_name=None, estimation_mode=None
+    ) -> BlockDiagonalState:
+        self.finalize(func_args)
+        mode = check_estimation_mode(estimation_mode or self.default_estimation_mode)
+        func_args = tuple(func_args)
+        batch = func_args[self._batch_index]
+        n = utils.default_batch_size_extractor(batch)
+        pj = self._pj
+
+        def one(i: jax.Array, st: BlockDiagonalState) -> BlockDiagonalState:
+            example = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1, 0), batch)
+            args = func_args[: self._batch_index] + (example,) + func_args[self._batch_index + 1 :]
+            p, o = pj.split_args(args)  # type: ignore[union-attr]
+            (deps, _), vjp, (ops, _) = jax.vjp(lambda q: pj.evaluate(q, o), p, has_aux=True)  # type: ignore[union-attr]
+            losses = pj.losses_from_operands(ops)  # type: ignore[union-attr]
+
+            def data_for(cot: tuple) -> list[dict]:
+                (dp,) = vjp((cot, ()))
+                return [{"inputs": (), "outputs": (), "params": tuple(p), "outputs_tangent": (), "params_tangent": tuple(dp)}]
+
+            old = jnp.where(i == 0, ema_old, 1.0)
+            return self._update_from_cotangents(st, losses, data_for, jax.random.fold_in(rng, i), mode, old, ema_new / n, 1, pmap_axis_name)
+
+        return jax.lax.fori_loop(0, n, one, state)
+
+
+class ImplicitExactCurvature:
+    """Exact curvature products that never build a matrix.
+
+    For the mean loss over a batch of size ``B`` (from ``batch_size_extractor``
+    applied to the last function argument): ``multiply_ggn(v) = J^T G_L J v / B``,
+    ``multiply_fisher`` likewise with the loss Fisher, ``multiply_hessian`` the
+    Hessian of the registered losses' total divided by ``B``; factor products
+    satisfy ``C v = factor(factor_transpose(v))``.
+    """
+
+    def __init__(self, func: Callable[..., Any], params_index: int = 0, batch_size_extractor: Callable[[Any], Any] = utils.default_batch_size_extractor):
+        from curvax import transforms
+
+        self.func = func
+        self.params_index = params_index
+        self._batch_size_extractor = batch_size_extractor
+        self._vjp = transforms.loss_tags_vjp(func, params_index)
+        self._jvp = transforms.loss_tags_jvp(func, params_index)
+        self._hvp = transforms.loss_tags_hvp(func, params_index)
+
+    def batch_size(self, func_args: Sequence[Any]) -> Any:
+        return self._batch_size_extractor(func_args[-1])
+
+    def multiply_jacobian(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> tuple:
+        return self._jvp(func_args, parameter_structured_vector)[1]
+
+    def multiply_jacobian_transpose(self, func_args: Sequence[Any], loss_input_vectors: Sequence[Sequence[Any]]) -> Any:
+        return self._vjp(func_args)[1](loss_input_vectors)
+
+    def _scaled(self, func_args: Sequence[Any], tree: Any, power: float) -> Any:
+        b = jnp.asarray(self.batch_size(func_args))
+        return jax.tree_util.tree_map(lambda x: x / b**power, tree)
+
+    def _multiply(self, func_args, vector, kind: str) -> Any:
+        losses, jv = self._jvp(func_args, vector)
+        mv = tuple(tuple(getattr(l, f"multiply_{kind}")(t)) for l, t in zip(losses, jv))
+        return self._scaled(func_args, self.multiply_jacobian_transpose(func_args, mv), 1.0)
+
+    def multiply_fisher(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> Any:
+        return self._multiply(func_args, parameter_structured_vector, "fisher")
+
+    def multiply_ggn(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> Any:
+        return self._multiply(func_args, parameter_structured_vector, "ggn")
+
+    def multiply_hessian(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> Any:
+        hv, _ = self._hvp(func_args, parameter_structured_vector)
+        return self._scaled(func_args, hv, 1.0)
+
+    def _factor_transpose(self, func_args, vector, kind: str) -> tuple:
+        losses, jv = self._jvp(func_args, vector)
+        out = tuple(getattr(l, f"multiply_{kind}_factor_transpose")(t) for l, t in zip(losses, jv))
+        return self._scaled(func_args, out, 0.5)
+
+    def _factor(self, func_args, loss_inner_vectors, kind: str) -> Any:
+        losses, _ = self._vjp(func_args)
+        if len(loss_inner_vectors) != len(losses):
+            raise ValueError(f"`loss_inner_vectors` needs one entry per registered loss ({len(losses)}).")
+        vecs = tuple(tuple(getattr(l, f"multiply_{kind}_factor")(u)) for l, u in zip(losses, loss_inner_vectors))
+        return self._scaled(func_args, self.multiply_jacobian_transpose(func_args, vecs), 0.5)
+
+    def multiply_fisher_factor_transpose(self, func_args, parameter_structured_vector) -> tuple:
+        return self._factor_transpose(func_args, parameter_structured_vector, "fisher")
+
+    def multiply_ggn_factor_transpose(self, func_args, parameter_structured_vector) -> tuple:
+        return self._factor_transpose(func_args, parameter_structured_vector, "ggn")
+
+    def multiply_fisher_factor(self, func_args, loss_inner_vectors) -> Any:
+        return self._factor(func_args, loss_inner_vectors, "fisher")
+
+    def multiply_ggn_factor(self, func_args, loss_inner_vectors) -> Any:
+        return self._factor(func_args, loss_inner_vectors, "ggn")
+
+    def get_loss_inner_vector_shapes_and_batch_size(self, func_args, mode: str) -> tuple[tuple, Any]:
+        if mode not in ("fisher", "ggn"):
+            raise ValueError(f"`mode` must be 'fisher' or 'ggn', got {mode!r}.")
+        losses, _ = self._vjp(func_args)
+        return tuple(tuple(getattr(l, f"{mode}_factor_inner_shape")) for l in losses), self.batch_size(func_args)
+
+    def get_loss_input_shapes_and_batch_size(self, func_args) -> tuple[tuple, Any]:
+        losses, _ = self._vjp(func_args)
+        return tuple(tuple(tuple(x.shape) for x in l.parameter_dependants) for l in losses), self.batch_size(func_args)

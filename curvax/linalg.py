@@ -1,0 +1,155 @@
+"""Small, jit-safe linear-algebra helpers for positive semi-definite matrices.
+
+Curvature factors are PSD in exact arithmetic but arrive slightly asymmetric
+and slightly indefinite after float accumulation. Every helper here therefore
+symmetrizes its input, clips negative eigenvalues, and falls back to a more
+robust algorithm (selected with ``lax.cond``, never Python control flow on
+traced values) when the fast one returns non-finite numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+Numeric = Any
+
+
+def symmetrize(m: Array) -> Array:
+    """``(m + m^T) / 2``: removes the asymmetry accumulated by float round-off."""
+    return (m + jnp.swapaxes(m, -1, -2)) / 2
+
+
+def _all_finite(*xs: Array) -> Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+
+
+def safe_psd_eigh(m: Array) -> tuple[Array, Array]:
+    """Eigen-decomposition ``m = Q diag(s) Q^T`` of a PSD matrix, eigenvalues clipped at 0.
+
+    If ``eigh`` returns non-finite values for a finite input (it can, for badly
+    conditioned matrices on some backends), the SVD is used instead: for a PSD
+    matrix its left singular vectors and singular values are an
+    eigen-decomposition. Returns ``(s, Q)`` with ``s`` ascending for eigh.
+    """
+    m = symmetrize(m)
+    s, q = jnp.linalg.eigh(m)
+    bad = jnp.logical_and(_all_finite(m), jnp.logical_not(_all_finite(s, q)))
+
+    def svd_fallback(_: Any) -> tuple[Array, Array]:
+        u, sv, _vt = jnp.linalg.svd(m, full_matrices=True)
+        return sv.astype(s.dtype), u.astype(q.dtype)
+
+    s, q = lax.cond(bad, svd_fallback, lambda _: (s, q), None)
+    return jnp.maximum(s, 0), q
+
+
+def safe_eigvalsh(m: Array) -> Array:
+    """Eigenvalues of a PSD matrix (symmetrized first), clipped at 0."""
+    return jnp.maximum(jnp.linalg.eigvalsh(symmetrize(m)), 0)
+
+
+def psd_matrix_power(m: Array, power: Numeric) -> Array:
+    """``m^power`` for a PSD matrix through its eigen-decomposition."""
+    s, q = safe_psd_eigh(m)
+    return (q * _pow(s, power)) @ q.T
+
+
+def _pow(s: Array, power: Numeric) -> Array:
+    """``s ** power`` with exact reciprocals for power -1 (no ``pow`` round-off)."""
+    if isinstance(power, (int, float)) and power == -1:
+        return 1 / s
+    if isinstance(power, (int, float)) and power == 1:
+        return s
+    return jnp.power(s, power)
+
+
+def _eigh_solve(m: Array, b: Array) -> Array:
+    """``m^+ b`` through a clipped eigen-decomposition (pseudo-inverse on the null space)."""
+    s, q = safe_psd_eigh(m)
+    inv = jnp.where(s > 0, 1 / jnp.where(s > 0, s, 1), 0)
+    return q @ (inv[:, None] * (q.T @ b)) if b.ndim == 2 else q @ (inv * (q.T @ b))
+
+
+def psd_solve(m: Array, b: Array) -> Array:
+    """Solves ``m x = b`` for a symmetric positive-definite ``m`` (vector or matrix ``b``).
+
+    Uses a Cholesky factorization; if that yields non-finite values (``m`` not
+    numerically positive definite) while the inputs are finite, falls back to an
+    eigen-decomposition based (pseudo-)inverse.
+    """
+    m = symmetrize(m)
+    chol = jax.scipy.linalg.cho_factor(m, lower=True)
+    x = jax.scipy.linalg.cho_solve(chol, b)
+    bad = jnp.logical_and(_all_finite(m, b), jnp.logical_not(_all_finite(x)))
+    return lax.cond(bad, lambda _: _eigh_solve(m, b).astype(x.dtype), lambda _: x, None)
+
+
+def psd_inv(m: Array) -> Array:
+    """Inverse of a symmetric positive-definite matrix (Cholesky, eigh fallback), symmetrized."""
+    return symmetrize(psd_solve(m, jnp.eye(m.shape[-1], dtype=m.dtype)))
+
+
+def average_trace(m: Array) -> Array:
+    """``tr(m) / dim``: the "average diagonal" norm used by pi-adjusted damping."""
+    return jnp.trace(m) / m.shape[-1]
+
+
+def pi_adjusted_factors(a: Array, g: Array, damping: Numeric) -> tuple[Array, Array]:
+    """Damped Kronecker factors ``(A + pi sqrt(d) I, G + sqrt(d)/pi I)``.
+
+    ``pi = sqrt((tr(A)/dim_A) / (tr(G)/dim_G))`` balances the damping between the
+    factors so that ``A_d (x) G_d`` approximates ``A (x) G + d I`` well (Martens &
+    Grosse, 2015, section 6.3). If either average trace is not positive (a zero
+    factor), both factors become ``sqrt(d) I``, whose product is ``d I``.
+    """
+    a = symmetrize(a)
+    g = symmetrize(g)
+    dtype = jnp.result_type(a.dtype, g.dtype)
+    sqrt_d = jnp.sqrt(jnp.asarray(damping, dtype))
+    na = average_trace(a)
+    ng = average_trace(g)
+    ok = jnp.logical_and(na > 0, ng > 0)
+    pi = jnp.sqrt(jnp.where(ok, na, 1) / jnp.where(ok, ng, 1))
+    eye_a = jnp.eye(a.shape[-1], dtype=a.dtype)
+    eye_g = jnp.eye(g.shape[-1], dtype=g.dtype)
+    a_d = jnp.where(ok, a + (pi * sqrt_d) * eye_a, sqrt_d * eye_a)
+    g_d = jnp.where(ok, g + (sqrt_d / pi) * eye_g, sqrt_d * eye_g)
+    return a_d.astype(a.dtype), g_d.astype(g.dtype)
+
+
+def kronecker_product_mul(a: Array, g: Array, v: Array) -> Array:
+    """``(A (x) G) vec(V)`` as a matrix: ``A V G`` for symmetric ``A`` and ``G``.
+
+    ``vec`` is the row-major flattening of ``V`` (shape ``dim_A x dim_G``).
+    """
+    return a @ v @ g
+
+
+def kronecker_solve(a: Array, g: Array, v: Array) -> Array:
+    """``(A (x) G)^{-1} vec(V)`` as a matrix: ``A^{-1} V G^{-1}`` by two Cholesky solves."""
+    left = psd_solve(a, v)
+    return psd_solve(g, left.T).T
+
+
+def kronecker_eigen_mul(
+    qa: Array, sa: Array, qg: Array, sg: Array, v: Array, identity_weight: Numeric, power: Numeric
+) -> Array:
+    """``(A (x) G + w I)^p vec(V)`` from eigen-decompositions of ``A`` and ``G``.
+
+    With ``A = Q_A S_A Q_A^T`` and ``G = Q_G S_G Q_G^T`` the Kronecker product has
+    eigenvectors ``Q_A (x) Q_G`` and eigenvalues ``s_A s_G^T``, so the power acts
+    elementwise in that basis. This is exact, for any real power.
+    """
+    inner = qa.T @ v @ qg
+    lam = sa[:, None] * sg[None, :] + identity_weight
+    return qa @ (inner * _pow(lam, power)) @ qg.T
+
+
+def eigen_mul(q: Array, s: Array, v: Array, identity_weight: Numeric, power: Numeric) -> Array:
+    """``(Q diag(s) Q^T + w I)^p v`` for a vector ``v``."""
+    return q @ (_pow(s + identity_weight, power) * (q.T @ v))

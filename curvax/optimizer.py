@@ -1,0 +1,682 @@
+"""The K-FAC optimizer, with kfac-jax's documented interface.
+
+One step, compiled once (periodic work is ``lax.cond`` inside it):
+
+1. one forward pass of the user's value function through our tracer, linearized;
+2. transposes of that linearization give the gradient and the gradients of the
+   sampled loss w.r.t. every layer output (curvature statistics);
+3. every ``inverse_update_period`` steps the blocks refresh their inverses;
+4. the preconditioned gradient ``Delta = (C + (l2 + damping) I)^-1 g``;
+5. learning rate and momentum either given, scheduled, or chosen by minimising
+   the quadratic model over ``span(Delta, velocity)`` (exact curvature products
+   come from the same linearization);
+6. every ``damping_adaptation_interval`` steps the Levenberg–Marquardt rule
+   moves the damping by ``decay ** interval`` from the reduction ratio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import warnings
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from curvax import estimators, utils
+from curvax.transforms import assemble_layer_data
+
+logger = logging.getLogger("curvax")
+
+_FEATURE_LATER = "is not implemented in curvax yet (planned)"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class OptimizerState:
+    """Persistent optimizer state (a pytree).
+
+    velocities: the last update ``theta_t - theta_{t-1}``; estimator_state: the
+    curvature blocks; damping: current damping; data_seen: examples processed;
+    step_counter: the step number.
+    """
+
+    velocities: Any
+    estimator_state: Any
+    damping: jax.Array
+    data_seen: jax.Array
+    step_counter: jax.Array
+
+
+def _as_float(x: Any, name: str) -> jax.Array:
+    try:
+        arr = jnp.asarray(x, dtype=jnp.float32)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"`{name}` must be a scalar number, got {type(x).__name__}.") from e
+    if arr.ndim != 0:
+        raise ValueError(f"`{name}` must be a scalar, got shape {arr.shape}.")
+    return arr
+
+
+class Optimizer:
+    """The K-FAC optimizer (Martens & Grosse, 2015), drop-in for ``kfac_jax.Optimizer``."""
+
+    State = OptimizerState
+
+    def __init__(
+        self,
+        value_and_grad_func: Callable[..., Any],
+        l2_reg: Any,
+        value_func_has_aux: bool = False,
+        value_func_has_state: bool = False,
+        value_func_has_rng: bool = False,
+        use_adaptive_learning_rate: bool = False,
+        learning_rate_schedule: Callable[[Any], Any] | None = None,
+        use_adaptive_momentum: bool = False,
+        momentum_schedule: Callable[[Any], Any] | None = None,
+        use_adaptive_damping: bool = False,
+        damping_schedule: Callable[[Any], Any] | None = None,
+        initial_damping: Any = None,
+        min_damping: Any = 1e-8,
+        max_damping: Any = math.inf,
+        include_damping_in_quad_change: bool = False,
+        damping_adaptation_interval: int = 5,
+        damping_adaptation_decay: Any = 0.9,
+        damping_lower_threshold: Any = 0.25,
+        damping_upper_threshold: Any = 0.75,
+        always_use_exact_qmodel_for_damping_adjustment: bool = False,
+        norm_constraint: Any = None,
+        num_burnin_steps: int = 10,
+        estimation_mode: str = "fisher_gradients",
+        curvature_ema: Any = 0.95,
+        inverse_update_period: int = 5,
+        use_exact_inverses: bool = False,
+        batch_process_func: Callable[[Any], Any] | None = None,
+        register_only_generic: bool = False,
+        patterns_to_skip: Sequence[str] = (),
+        auto_register_kwargs: Mapping[str, Any] | None = None,
+        layer_tag_to_block_ctor: Mapping[str, Any] | None = None,
+        multi_device: bool = False,
+        debug: bool = False,
+        batch_size_extractor: Callable[[Any], Any] = utils.default_batch_size_extractor,
+        pmap_axis_name: str = "kfac_axis",
+        forbid_setting_attributes_after_finalize: bool = True,
+        modifiable_attribute_exceptions: Sequence[str] = (),
+        include_norms_in_stats: bool = False,
+        include_per_param_norms_in_stats: bool = False,
+        distributed_precon_apply: bool = True,
+        distributed_inverses: bool = True,
+    ):
+        if not callable(value_and_grad_func):
+            raise TypeError(f"`value_and_grad_func` must be callable, got {type(value_and_grad_func).__name__}.")
+        if multi_device:
+            raise NotImplementedError(
+                "multi_device=True (pmap) " + _FEATURE_LATER + ": curvax will run on several devices through "
+                "jax.jit with jax.sharding. Use multi_device=False."
+            )
+        if use_adaptive_learning_rate and learning_rate_schedule is not None:
+            raise ValueError("Pass either use_adaptive_learning_rate=True or a learning_rate_schedule, not both.")
+        if use_adaptive_momentum and momentum_schedule is not None:
+            raise ValueError("Pass either use_adaptive_momentum=True or a momentum_schedule, not both.")
+        if use_adaptive_damping and damping_schedule is not None:
+            raise ValueError("Pass either use_adaptive_damping=True or a damping_schedule, not both.")
+        if use_adaptive_damping and initial_damping is None:
+            raise ValueError("use_adaptive_damping=True needs `initial_damping` (e.g. initial_damping=1.0).")
+        if norm_constraint is not None and use_adaptive_learning_rate:
+            raise ValueError("`norm_constraint` can only be used with a fixed or scheduled learning rate.")
+        for name, v in (("damping_adaptation_interval", damping_adaptation_interval), ("inverse_update_period", inverse_update_period)):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {v!r}.")
+        if not isinstance(num_burnin_steps, (int, np.integer)) or num_burnin_steps < 0:
+            raise ValueError(f"`num_burnin_steps` must be a non-negative integer, got {num_burnin_steps!r}.")
+        if not 0.0 <= float(curvature_ema) <= 1.0:
+            raise ValueError(f"`curvature_ema` must lie in [0, 1], got {curvature_ema}.")
+        if float(l2_reg) < 0:
+            raise ValueError(f"`l2_reg` must be non-negative, got {l2_reg}.")
+        if not float(damping_lower_threshold) <= float(damping_upper_threshold):
+            raise ValueError("`damping_lower_threshold` must not exceed `damping_upper_threshold`.")
+        estimators.check_estimation_mode(estimation_mode)
+        auto_kwargs = dict(auto_register_kwargs or {})
+        if auto_kwargs.get("graph_patterns") is not None:
+            raise NotImplementedError("auto_register_kwargs['graph_patterns'] " + _FEATURE_LATER + ".")
+        auto_kwargs.pop("graph_patterns", None)
+
+        self._value_and_grad_func = value_and_grad_func
+        self._l2_reg = float(l2_reg)
+        self._has_aux = bool(value_func_has_aux)
+        self._has_state = bool(value_func_has_state)
+        self._has_rng = bool(value_func_has_rng)
+        self._adaptive_lr = bool(use_adaptive_learning_rate)
+        self._lr_schedule = learning_rate_schedule
+        self._adaptive_momentum = bool(use_adaptive_momentum)
+        self._momentum_schedule = momentum_schedule
+        self._adaptive_damping = bool(use_adaptive_damping)
+        self._damping_schedule = damping_schedule
+        self._initial_damping = initial_damping
+        self._min_damping = float(min_damping)
+        self._max_damping = float(max_damping)
+        self._include_damping_in_quad_change = bool(include_damping_in_quad_change)
+        self._damping_interval = int(damping_adaptation_interval)
+        self._damping_decay = float(damping_adaptation_decay)
+        self._lower = float(damping_lower_threshold)
+        self._upper = float(damping_upper_threshold)
+        self._always_exact_qmodel = bool(always_use_exact_qmodel_for_damping_adjustment)
+        self._norm_constraint = norm_constraint
+        self._num_burnin_steps = int(num_burnin_steps)
+        self._estimation_mode = estimation_mode
+        self._curvature_ema = float(curvature_ema)
+        self._inverse_update_period = int(inverse_update_period)
+        self._use_exact_inverses = bool(use_exact_inverses)
+        self._batch_process_func = batch_process_func
+        self._debug = bool(debug)
+        self._batch_size_extractor = batch_size_extractor
+        self._pmap_axis_name = pmap_axis_name
+        self._include_norms = bool(include_norms_in_stats)
+        self._include_per_param_norms = bool(include_per_param_norms_in_stats)
+        self.distributed_precon_apply = distributed_precon_apply
+        self.distributed_inverses = distributed_inverses
+        self._burnin_warned = False
+        self.trace_count = 0  # how many times the step function was traced (compiled)
+
+        self._estimator = estimators.BlockDiagonalCurvature(
+            self._value_func,
+            params_index=0,
+            default_estimation_mode=estimation_mode,
+            layer_tag_to_block_ctor=layer_tag_to_block_ctor,
+            register_only_generic=register_only_generic,
+            patterns_to_skip=tuple(patterns_to_skip),
+            **auto_kwargs,
+        )
+        self._params_spec: Any = None
+        wrap = (lambda f, **kw: f) if self._debug else jax.jit
+        self._jit_step = wrap(self._step_impl)
+        self._jit_burnin = wrap(self._burnin_impl)
+        self._jit_init = wrap(self._init_impl)
+        self._forbid = bool(forbid_setting_attributes_after_finalize)
+        self._modifiable = frozenset(modifiable_attribute_exceptions)
+        self._finalized = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_finalized", False) and self._forbid and not name.startswith("_") and name not in self._modifiable and name != "trace_count":
+            raise AttributeError(
+                f"Cannot set {name!r} after construction: compiled methods would not see it. Pass "
+                "forbid_setting_attributes_after_finalize=False or modifiable_attribute_exceptions to allow it."
+            )
+        object.__setattr__(self, name, value)
+
+    # --- documented properties ---------------------------------------------------------------
+
+    @property
+    def num_burnin_steps(self) -> int:
+        return self._num_burnin_steps
+
+    @property
+    def l2_reg(self) -> jax.Array:
+        return jnp.asarray(self._l2_reg)
+
+    @property
+    def estimator(self) -> estimators.BlockDiagonalCurvature:
+        return self._estimator
+
+    @property
+    def damping_decay_factor(self) -> float:
+        return self._damping_decay**self._damping_interval
+
+    def should_update_damping(self, state: OptimizerState) -> jax.Array:
+        return self._adaptive_damping & ((state.step_counter + 1) % self._damping_interval == 0)
+
+    # --- the user function ---------------------------------------------------------------------
+
+    def _value_func(self, *args: Any) -> Any:
+        return self._value_and_grad_func(*args)[0]
+
+    def _make_func_args(self, params: Any, func_state: Any, rng: Any, batch: Any) -> tuple:
+        args = [params]
+        if self._has_state:
+            args.append(func_state)
+        if self._has_rng:
+            args.append(rng)
+        args.append(batch)
+        return tuple(args)
+
+    def _split_outputs(self, out: Any) -> tuple[Any, Any, Any]:
+        """``(loss, func_state, aux)`` from the value function's output."""
+        if not self._has_state and not self._has_aux:
+            return out, None, None
+        loss, rest = out
+        if self._has_state and self._has_aux:
+            return loss, rest[0], rest[1]
+        if self._has_state:
+            return loss, rest, None
+        return loss, None, rest
+
+    def _check_value_and_grad_output(self, func_args: Sequence[Any]) -> None:
+        """Checks the user function's outputs against the ``value_func_has_*`` flags."""
+        try:
+            out = jax.eval_shape(self._value_and_grad_func, *func_args)
+        except TypeError as e:
+            raise TypeError(
+                f"Calling value_and_grad_func{self._signature()} failed: {e}. Check the "
+                "value_func_has_state/value_func_has_rng flags against your function's arguments."
+            ) from e
+        flags = f"(value_func_has_aux={self._has_aux}, value_func_has_state={self._has_state})"
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError(f"value_and_grad_func must return (value, grads); got {type(out).__name__}.")
+        value, grads = out
+        if jax.tree_util.tree_structure(grads) != jax.tree_util.tree_structure(func_args[0]):
+            raise ValueError("The gradients returned by value_and_grad_func do not have the structure of the parameters.")
+        expect = "loss" if not (self._has_aux or self._has_state) else "(loss, " + (
+            "(func_state, aux)" if self._has_aux and self._has_state else "func_state" if self._has_state else "aux"
+        ) + ")"
+        try:
+            if self._has_aux or self._has_state:
+                if not isinstance(value, (tuple, list)) or len(value) != 2:
+                    raise ValueError
+                if self._has_aux and self._has_state and (not isinstance(value[1], (tuple, list)) or len(value[1]) != 2):
+                    raise ValueError
+                loss = value[0]
+            else:
+                loss = value
+            if not hasattr(loss, "shape") or loss.shape != ():
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"value_and_grad_func's value must be {expect} with a scalar loss {flags}; got {_describe(value)}."
+            ) from None
+
+    def _signature(self) -> str:
+        parts = ["params"] + (["func_state"] if self._has_state else []) + (["rng"] if self._has_rng else []) + ["batch"]
+        return "(" + ", ".join(parts) + ")"
+
+    # --- init ------------------------------------------------------------------------------------
+
+    def init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any = None) -> OptimizerState:
+        """Builds the curvature blocks from one example batch and returns the initial state."""
+        self._check_params_dtype(params)
+        utils.check_batch_leading_sizes(batch)
+        if self._has_state and func_state is None:
+            raise ValueError("value_func_has_state=True: pass `func_state` to init.")
+        if self._batch_process_func is not None:
+            batch = self._batch_process_func(batch)
+        func_args = self._make_func_args(params, func_state, rng, batch)
+        self._check_value_and_grad_output(func_args)
+        self._estimator.finalize(func_args)
+        self._params_spec = _spec(params)
+        names = [type(b).__name__ for b in self._estimator.blocks]
+        table = self._estimator.processed_jaxpr.registration_table(params, names)
+        has_generic = any(s.pattern == "generic" for s in self._estimator.processed_jaxpr.layer_sites)
+        logger.log(logging.WARNING if has_generic else logging.INFO, "\n%s", table)
+        self._registration_table = table
+        return self._jit_init(params, rng, batch, func_state)
+
+    def registration_table(self) -> str:
+        """The parameter → layer → block table (available after ``init``)."""
+        if self._params_spec is None:
+            raise RuntimeError("Call `init` first.")
+        return self._registration_table
+
+    def _cache_powers(self) -> tuple[Any, Any]:
+        if self._inverse_update_period == 1:
+            return None, None
+        return (-1, None) if self._use_exact_inverses else (None, -1)
+
+    def _init_impl(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> OptimizerState:
+        func_args = self._make_func_args(params, func_state, rng, batch)
+        exact, approx = self._cache_powers()
+        est_state = self._estimator.init(rng, func_args, exact, approx, False)
+        damping = jnp.asarray(self._initial_damping if self._initial_damping is not None else 0.0, jnp.float32)
+        return OptimizerState(
+            velocities=utils.tree_zeros_like(params),
+            estimator_state=est_state,
+            damping=damping,
+            data_seen=jnp.zeros([], jnp.int32),
+            step_counter=jnp.zeros([], jnp.int32),
+        )
+
+    # --- burn-in -------------------------------------------------------------------------------
+
+    def burnin(self, num_steps: int, params: Any, state: OptimizerState, rng: jax.Array, data_iterator: Iterator[Any], func_state: Any = None) -> tuple[OptimizerState, Any]:
+        """Accumulates curvature statistics for ``num_steps`` batches without moving the parameters."""
+        for _ in range(num_steps):
+            rng, key = jax.random.split(rng)
+            batch = next(data_iterator)
+            state = self._jit_burnin(params, state, key, batch, func_state)
+        return state, func_state
+
+    def _burnin_impl(self, params: Any, state: OptimizerState, rng: jax.Array, batch: Any, func_state: Any) -> OptimizerState:
+        if self._batch_process_func is not None:
+            batch = self._batch_process_func(batch)
+        k1, k2 = jax.random.split(rng)
+        func_args = self._make_func_args(params, func_state, k2, batch)
+        est = self._estimator.update_curvature_matrix_estimate(
+            state.estimator_state, 1.0, 1.0, self._batch_size_extractor(batch), k1, func_args,
+            estimation_mode=self._estimation_mode,
+        )
+        return dataclasses.replace(state, estimator_state=est)
+
+    # --- step --------------------------------------------------------------------------------
+
+    def verify_args_and_get_step_counter(self, step_counter: Any, learning_rate: Any = None, momentum: Any = None, damping: Any = None, global_step_int: int | None = None) -> int:
+        """Checks which of learning_rate/momentum/damping must be passed; returns the step as an int."""
+        for name, given, adaptive, schedule in (
+            ("learning_rate", learning_rate, self._adaptive_lr, self._lr_schedule),
+            ("momentum", momentum, self._adaptive_momentum, self._momentum_schedule),
+            ("damping", damping, self._adaptive_damping, self._damping_schedule),
+        ):
+            if adaptive and given is not None:
+                raise ValueError(f"`{name}` was passed to step, but use_adaptive_{name}=True chooses it; remove it.")
+            if schedule is not None and given is not None:
+                raise ValueError(f"`{name}` was passed to step, but a {name}_schedule was given to the constructor.")
+            if not adaptive and schedule is None and given is None:
+                raise ValueError(
+                    f"step needs `{name}=`: the optimizer has neither use_adaptive_{name}=True nor a {name}_schedule."
+                )
+        if global_step_int is not None:
+            return int(global_step_int)
+        return int(step_counter)
+
+    def step(
+        self,
+        params: Any,
+        state: OptimizerState,
+        rng: jax.Array,
+        data_iterator: Iterator[Any] | None = None,
+        batch: Any = None,
+        func_state: Any = None,
+        learning_rate: Any = None,
+        momentum: Any = None,
+        damping: Any = None,
+        global_step_int: int | None = None,
+    ) -> tuple:
+        """One optimizer step. Returns ``(params, state, stats)`` or ``(params, state, func_state, stats)``."""
+        if (data_iterator is None) == (batch is None):
+            raise ValueError("Pass exactly one of `data_iterator` and `batch` to step.")
+        if self._params_spec is None:
+            raise RuntimeError("Call `optimizer.init(params, rng, batch)` before `step`.")
+        if not isinstance(state, OptimizerState):
+            raise TypeError(f"`state` must be the Optimizer.State returned by init/step, got {type(state).__name__}.")
+        if _spec(params) != self._params_spec:
+            raise ValueError(
+                "`params` differ in structure, shapes or dtypes from those passed to init:\n"
+                f"init: {self._params_spec}\nstep: {_spec(params)}"
+            )
+        if self._has_state and func_state is None:
+            raise ValueError("value_func_has_state=True: pass `func_state` to step.")
+        needs_counter = self._num_burnin_steps > 0 and global_step_int is None
+        step_int = self.verify_args_and_get_step_counter(
+            state.step_counter if needs_counter else 0, learning_rate, momentum, damping, global_step_int
+        )
+        if self._num_burnin_steps > 0 and step_int == 0:
+            rng, key = jax.random.split(rng)
+            if data_iterator is not None:
+                state, func_state = self.burnin(self._num_burnin_steps, params, state, key, data_iterator, func_state)
+            else:
+                if not self._burnin_warned:
+                    warnings.warn(
+                        f"num_burnin_steps={self._num_burnin_steps} but step() got `batch` rather than a "
+                        "`data_iterator`: the burn-in curvature updates run on this same batch.",
+                        stacklevel=2,
+                    )
+                    self._burnin_warned = True
+                state, func_state = self.burnin(
+                    self._num_burnin_steps, params, state, key, iter([batch] * self._num_burnin_steps), func_state
+                )
+        if batch is None:
+            batch = next(data_iterator)  # type: ignore[arg-type]
+        utils.check_batch_leading_sizes(batch)
+        lr = _as_float(0.0 if learning_rate is None else learning_rate, "learning_rate")
+        mom = _as_float(0.0 if momentum is None else momentum, "momentum")
+        damp = _as_float(0.0 if damping is None else damping, "damping")
+        params, state, func_state, stats = self._jit_step(params, state, rng, batch, func_state, lr, mom, damp)
+        if self._has_state:
+            return params, state, func_state, stats
+        return params, state, stats
+
+    def _schedule_value(self, schedule: Callable | None, given: jax.Array, step: jax.Array) -> jax.Array:
+        return jnp.asarray(schedule(step), jnp.float32) if schedule is not None else given
+
+    def _step_impl(self, params, state, rng, batch, func_state, lr_arg, mom_arg, damp_arg):
+        self.trace_count += 1
+        est = self._estimator
+        pj = est.processed_jaxpr
+        step = state.step_counter
+        if self._batch_process_func is not None:
+            batch = self._batch_process_func(batch)
+        batch_size = self._batch_size_extractor(batch)
+        k_est, k_func = jax.random.split(rng)
+        func_args = self._make_func_args(params, func_state, k_func, batch)
+
+        damping = state.damping if self._adaptive_damping else self._schedule_value(self._damping_schedule, damp_arg, step)
+        identity_weight = self._l2_reg + damping
+
+        # 1-2. One linearized forward pass: loss, gradient, curvature statistics.
+        p, o = pj.split_args(func_args)
+        eps = pj.zero_perturbations(p, o)
+
+        def fwd(q, e):
+            (deps, outs), aux = pj.evaluate(q, o, e, with_outputs=True)
+            return (outs[0], deps), (aux, outs)
+
+        (loss, deps), f_jvp, (aux_data, outs) = jax.linearize(fwd, p, eps, has_aux=True)
+        f_vjp = jax.linear_transpose(f_jvp, p, eps)
+        zero_deps = jax.tree_util.tree_map(jnp.zeros_like, deps)
+        grads_flat, _ = f_vjp((jnp.ones_like(loss), zero_deps))
+        grads = jax.tree_util.tree_unflatten(pj.params_tree, grads_flat)
+        ops, layer_data = aux_data
+        losses = pj.losses_from_operands(ops)
+        _, new_func_state, aux = self._split_outputs(jax.tree_util.tree_unflatten(pj.out_tree, list(outs)))
+
+        def data_for(cot):
+            dp, de = f_vjp((jnp.zeros_like(loss), cot))
+            return assemble_layer_data(pj, p, layer_data, dp, de)
+
+        est_state = est._update_from_cotangents(
+            state.estimator_state, losses, data_for, k_est, self._estimation_mode,
+            self._curvature_ema, 1.0, batch_size, None,
+        )
+
+        # 3. Periodic inverse refresh.
+        exact, approx = self._cache_powers()
+        use_cached = self._inverse_update_period != 1
+        if use_cached:
+            est_state = jax.lax.cond(
+                step % self._inverse_update_period == 0,
+                lambda s: est.update_cache(s, identity_weight, exact, approx, False),
+                lambda s: s,
+                est_state,
+            )
+
+        # 4. Preconditioned gradient.
+        precon = est.multiply_matpower(est_state, grads, identity_weight, -1, self._use_exact_inverses, use_cached)
+
+        # 5. Coefficients.
+        lr = self._schedule_value(self._lr_schedule, lr_arg, step)
+        mom = self._schedule_value(self._momentum_schedule, mom_arg, step)
+        scaled_sq = None
+        if self._norm_constraint is not None:
+            scaled_sq = lr**2 * utils.inner_product(precon, grads)
+            factor = jnp.minimum(1.0, jnp.sqrt(self._norm_constraint / jnp.maximum(scaled_sq, 1e-30)))
+            precon = utils.scalar_mul(precon, factor)
+        vectors = (precon, state.velocities)
+        adaptive = self._adaptive_lr or self._adaptive_momentum
+        deps_jvp = lambda v: f_jvp(jax.tree_util.tree_leaves(v), jax.tree_util.tree_map(jnp.zeros_like, eps))[1]
+        update_damping = self.should_update_damping(state)
+
+        if adaptive:
+            quad = self._exact_quad_model_from(deps_jvp, losses, vectors, grads, batch_size)
+            coeffs = self._solve_coefficients(quad, damping, lr, mom)
+        else:
+            coeffs = jnp.stack([-lr, mom])
+
+        def quad_change_of(quad):
+            a, d, b = quad
+            a_hat = a + self._l2_reg * d + (damping * d if self._include_damping_in_quad_change else 0.0)
+            return 0.5 * coeffs @ a_hat @ coeffs + coeffs @ b
+
+        if adaptive:
+            quad_change = quad_change_of(quad)
+        else:
+            quad_change = jnp.asarray(jnp.nan, jnp.float32)
+        if not adaptive and self._adaptive_damping:
+            if self._always_exact_qmodel:
+                model = lambda: self._exact_quad_model_from(deps_jvp, losses, vectors, grads, batch_size)
+            else:
+                model = lambda: self.compute_approx_quad_model(
+                    dataclasses.replace(state, estimator_state=est_state), vectors, grads
+                )
+            quad_change = jax.lax.cond(
+                update_damping, lambda: quad_change_of(model()), lambda: jnp.asarray(jnp.nan, jnp.float32)
+            )
+
+        delta = utils.weighted_sum_of_objects(vectors, (coeffs[0], coeffs[1]))
+        new_params = utils.tree_add(params, delta)
+
+        # 6. Damping.
+        new_loss = jnp.asarray(jnp.nan, jnp.float32)
+        rho = jnp.asarray(jnp.nan, jnp.float32)
+        new_damping = damping
+        if self._adaptive_damping:
+            def adapt():
+                args = self._make_func_args(new_params, func_state, k_func, batch)
+                nl = self._split_outputs(self._value_func(*args))[0]
+                r = (nl - loss) / quad_change
+                r = jnp.where(jnp.isfinite(r), r, -100.0)
+                factor = self.damping_decay_factor
+                d = jnp.where(r < self._lower, damping / factor, jnp.where(r > self._upper, damping * factor, damping))
+                d = jnp.clip(d, self._min_damping, self._max_damping)
+                return nl.astype(jnp.float32), r.astype(jnp.float32), d.astype(jnp.float32)
+
+            new_loss, rho, new_damping = jax.lax.cond(
+                update_damping, adapt, lambda: (new_loss, rho, jnp.asarray(damping, jnp.float32))
+            )
+
+        new_state = OptimizerState(
+            velocities=delta,
+            estimator_state=est_state,
+            damping=jnp.asarray(new_damping, jnp.float32),
+            data_seen=state.data_seen + batch_size,
+            step_counter=step + 1,
+        )
+        stats = {
+            "step": step + 1,
+            "batch_size": jnp.asarray(batch_size, jnp.int32),
+            "data_seen": new_state.data_seen,
+            "loss": loss,
+            "new_loss": new_loss,
+            "learning_rate": -coeffs[0],
+            "momentum": coeffs[1],
+            "damping": jnp.asarray(damping, jnp.float32),
+            "rho": rho,
+            "quad_model_change": quad_change,
+        }
+        if scaled_sq is not None:
+            stats["scaled_grad_norm_sq"] = scaled_sq
+        if aux is not None:
+            stats["aux"] = aux
+        if self._include_norms:
+            stats["param_norm"] = utils.norm(params)
+            stats["grad_norm"] = utils.norm(grads)
+            stats["precon_grad_norm"] = utils.norm(precon)
+            stats["update_norm"] = utils.norm(delta)
+        if self._include_per_param_norms:
+            for path, g, pg, u, w in zip(
+                utils.param_paths(params), jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(precon),
+                jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(params),
+            ):
+                stats[f"param_norm({path})"] = jnp.linalg.norm(w)
+                stats[f"grad_norm({path})"] = jnp.linalg.norm(g)
+                stats[f"precon_grad_norm({path})"] = jnp.linalg.norm(pg)
+                stats[f"update_norm({path})"] = jnp.linalg.norm(u)
+        return new_params, new_state, new_func_state if self._has_state else func_state, stats
+
+    # --- quadratic model -----------------------------------------------------------------------
+
+    def compute_l2_quad_matrix(self, vectors: Sequence[Any]) -> jax.Array:
+        """``l2_reg * <v_i, v_j>``."""
+        return self._l2_reg * utils.matrix_of_inner_products(vectors)
+
+    def _exact_quad_model_from(self, deps_jvp, losses, vectors, grads, batch_size):
+        """``(A, D, b)`` with ``A_ij = v_i^T C v_j`` for the exact Fisher/GGN, ``D = V^T V``, ``b = V^T g``."""
+        kind = "ggn" if self._estimation_mode.startswith("ggn") else "fisher"
+        jvs = [deps_jvp(v) for v in vectors]
+        n = len(vectors)
+        rows = []
+        for i in range(n):
+            row = []
+            for j in range(n):
+                total = 0.0
+                for li, loss in enumerate(losses):
+                    prod = getattr(loss, f"multiply_{kind}")(jvs[j][li])
+                    total = total + sum(jnp.sum(a * b) for a, b in zip(jvs[i][li], prod))
+                row.append(total / batch_size)
+            rows.append(row)
+        a = jnp.array(rows)
+        return a, utils.matrix_of_inner_products(vectors), utils.vector_of_inner_products(grads, vectors)
+
+    def compute_exact_quad_model(self, vectors: Sequence[Any], grads: Any, func_args: Sequence[Any] | None = None):
+        """The exact quadratic model's ``(A, D, b)`` at ``func_args``."""
+        if func_args is None:
+            raise ValueError("compute_exact_quad_model needs `func_args`.")
+        pj = self._estimator.processed_jaxpr
+        p, o = pj.split_args(func_args)
+        (deps, _), f_jvp, (ops, _) = jax.linearize(lambda q: pj.evaluate(q, o), p, has_aux=True)
+        losses = pj.losses_from_operands(ops)
+        bs = self._batch_size_extractor(func_args[-1])
+        return self._exact_quad_model_from(lambda v: f_jvp(jax.tree_util.tree_leaves(v))[0], losses, vectors, grads, bs)
+
+    def compute_approx_quad_model(self, state: OptimizerState, vectors: Sequence[Any], grads: Any):
+        """The quadratic model's ``(A, D, b)`` with the curvature estimate in place of the exact matrix."""
+        cvs = [
+            self._estimator.multiply(state.estimator_state, v, 0.0, True, False) for v in vectors
+        ]
+        a = jnp.array([[utils.inner_product(vi, cj) for cj in cvs] for vi in vectors])
+        return a, utils.matrix_of_inner_products(vectors), utils.vector_of_inner_products(grads, vectors)
+
+    def _solve_coefficients(self, quad, damping, lr, mom) -> jax.Array:
+        """Minimises the damped quadratic model over the adaptive coefficients."""
+        a, d, b = quad
+        ad = a + (self._l2_reg + damping) * d
+        safe = lambda num, den: jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+        if self._adaptive_lr and self._adaptive_momentum:
+            w0_only = safe(-b[0], ad[0, 0])
+            det = ad[0, 0] * ad[1, 1] - ad[0, 1] * ad[1, 0]
+            w_full = jnp.stack([(-b[0] * ad[1, 1] + b[1] * ad[0, 1]), (-b[1] * ad[0, 0] + b[0] * ad[1, 0])])
+            w_full = w_full / jnp.where(det > 0, det, 1.0)
+            use_full = (d[1, 1] > 0) & (det > 0)
+            return jnp.where(use_full, w_full, jnp.stack([w0_only, 0.0]))
+        if self._adaptive_lr:
+            w1 = mom
+            return jnp.stack([safe(-(b[0] + ad[1, 0] * w1), ad[0, 0]), w1])
+        w0 = -lr
+        return jnp.stack([w0, safe(-(b[1] + ad[0, 1] * w0), ad[1, 1])])
+
+    def compute_loss_value(self, func_args: Sequence[Any]) -> jax.Array:
+        return self._split_outputs(self._value_func(*func_args))[0]
+
+    def _check_params_dtype(self, params: Any) -> None:
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        if not leaves:
+            raise ValueError("`params` has no array leaves.")
+        for path, leaf in leaves:
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+                raise TypeError(
+                    f"Parameter {jax.tree_util.keystr(path) or '<root>'} has dtype {jnp.result_type(leaf)}; "
+                    "the optimizer needs floating-point parameters."
+                )
+
+
+def _spec(tree: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}: (" + ", ".join(_describe(e) for e in x) + ")"
+    if hasattr(x, "shape"):
+        return f"array{tuple(x.shape)}"
+    return type(x).__name__

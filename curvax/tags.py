@@ -1,0 +1,183 @@
+"""Loss and layer tags: JAX primitives that mark a computation and do nothing else.
+
+A tag returns (some of) its operands unchanged, so it is invisible to ``jit``,
+``grad``, ``vmap``, ``jvp`` and ``vjp``; its only job is to appear as an
+equation in a jaxpr, telling curvax "these are the logits of a softmax
+cross-entropy" or "this is a dense layer with output y, input x, weights w, b".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from curvax import _compat
+
+
+def _is_zero_tangent(t: Any) -> bool:
+    return type(t).__name__ == "Zero"
+
+
+class LossTag(_compat.Primitive):
+    """A primitive that marks the inputs of one registered loss of class ``cls``.
+
+    Operands are the loss constructor's arguments (named by ``args_names``); the
+    outputs are the parameter-dependent ones (e.g. the logits), unchanged.
+    """
+
+    def __init__(self, cls: type, parameter_dependants: Sequence[str], parameter_independants: Sequence[str]):
+        super().__init__(f"loss_tag[{cls.__name__}]")
+        self.multiple_results = True
+        self._cls = cls
+        self._dependants = tuple(parameter_dependants)
+        self._independants = tuple(parameter_independants)
+        _compat.define_identity_rules(self, self._impl, self._abstract_eval, self._jvp, self._batch)
+
+    @property
+    def loss_class(self) -> type:
+        return self._cls
+
+    @property
+    def parameter_dependants_names(self) -> tuple[str, ...]:
+        return self._dependants
+
+    @property
+    def parameter_independants_names(self) -> tuple[str, ...]:
+        return self._independants
+
+    def _dependant_positions(self, args_names: Sequence[str]) -> list[int]:
+        return [i for i, n in enumerate(args_names) if n in self._dependants]
+
+    def _impl(self, *args: Any, args_names: tuple[str, ...]) -> list[Any]:
+        return [args[i] for i in self._dependant_positions(args_names)]
+
+    def _abstract_eval(self, *avals: Any, args_names: tuple[str, ...]) -> list[Any]:
+        return [avals[i] for i in self._dependant_positions(args_names)]
+
+    def _jvp(self, primals: Sequence[Any], tangents: Sequence[Any], *, args_names: tuple[str, ...]):
+        out = self.bind(*primals, args_names=args_names)
+        return out, [tangents[i] for i in self._dependant_positions(args_names)]
+
+    def _batch(self, args: Sequence[Any], dims: Sequence[Any], *, args_names: tuple[str, ...]):
+        out = self.bind(*args, args_names=args_names)
+        return out, [dims[i] for i in self._dependant_positions(args_names)]
+
+    def bind(self, *args: Any, args_names: Sequence[str]) -> Any:  # type: ignore[override]
+        if len(args) != len(args_names):
+            raise ValueError(f"LossTag.bind got {len(args)} operands but {len(args_names)} names.")
+        for n in args_names:
+            if n not in self._dependants and n not in self._independants:
+                raise ValueError(f"Unknown argument name {n!r} for loss {self._cls.__name__}.")
+        return super().bind(*args, args_names=tuple(args_names))
+
+    def loss(self, *args: Any, args_names: Sequence[str]) -> Any:
+        """Builds the ``LossFunction`` instance that this tag stands for."""
+        return self._cls(**dict(zip(args_names, args)))
+
+
+class LayerTag(_compat.Primitive):
+    """A primitive marking one layer: ``tag(*outputs, *inputs, *params, **meta)``.
+
+    It returns its output operand(s) unchanged. Gradients flow through the real
+    computation that produced the outputs, never through the tag's other operands.
+    """
+
+    def __init__(self, name: str, num_inputs: int, num_outputs: int):
+        super().__init__(name)
+        if num_outputs < 1:
+            raise ValueError(f"LayerTag {name!r}: num_outputs must be >= 1, got {num_outputs}.")
+        self._num_inputs = int(num_inputs)
+        self._num_outputs = int(num_outputs)
+        self.multiple_results = num_outputs > 1
+        _compat.define_identity_rules(self, self._impl, self._abstract_eval, self._jvp, self._batch)
+
+    @property
+    def num_inputs(self) -> int:
+        return self._num_inputs
+
+    @property
+    def num_outputs(self) -> int:
+        return self._num_outputs
+
+    def _select(self, xs: Sequence[Any]) -> Any:
+        return list(xs[: self._num_outputs]) if self.multiple_results else xs[0]
+
+    def _impl(self, *operands: Any, **_: Any) -> Any:
+        return self._select(operands)
+
+    def _abstract_eval(self, *avals: Any, **_: Any) -> Any:
+        return self._select(avals)
+
+    def _jvp(self, primals: Sequence[Any], tangents: Sequence[Any], **params: Any):
+        return self.bind(*primals, **params), self._select(tangents)
+
+    def _batch(self, args: Sequence[Any], dims: Sequence[Any], **params: Any):
+        return self.bind(*args, **params), self._select(dims)
+
+    def split_operands(self, operands: Sequence[Any]) -> tuple[tuple, tuple, tuple]:
+        """Splits a tag's operands into (outputs, inputs, params)."""
+        o, i = self._num_outputs, self._num_inputs
+        return tuple(operands[:o]), tuple(operands[o : o + i]), tuple(operands[o + i :])
+
+
+dense = LayerTag("dense", num_inputs=1, num_outputs=1)
+generic = LayerTag("generic", num_inputs=0, num_outputs=1)
+
+
+def register_dense(y: jax.Array, x: jax.Array, w: jax.Array, b: jax.Array | None = None, **kwargs: Any) -> jax.Array:
+    """Marks ``y = x @ w (+ b)`` as a dense layer; returns ``y``.
+
+    ``w`` has shape ``(d_in, d_out)``; ``x`` may have any number of leading dims.
+    """
+    _check_array("y", y)
+    _check_array("x", x)
+    _check_array("w", w)
+    if w.ndim != 2:
+        raise ValueError(f"register_dense: w must be a 2-D (d_in, d_out) array, got shape {w.shape}.")
+    if x.shape[-1] != w.shape[0] or y.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"register_dense: shapes do not form y = x @ w: x {x.shape}, w {w.shape}, y {y.shape}."
+        )
+    if b is None:
+        return dense.bind(y, x, w, **kwargs)
+    _check_array("b", b)
+    if b.shape != (w.shape[1],):
+        raise ValueError(f"register_dense: b must have shape ({w.shape[1]},), got {b.shape}.")
+    return dense.bind(y, x, w, b, **kwargs)
+
+
+def register_generic(parameter: jax.Array) -> jax.Array:
+    """Marks ``parameter`` to get its own generic (diagonal) curvature block."""
+    _check_array("parameter", parameter)
+    return generic.bind(parameter)
+
+
+def _check_array(name: str, x: Any) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be a JAX array, got {type(x).__name__}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTagEqn:
+    """A layer found in a traced function: what a curvature block is built from.
+
+    This plays the role of kfac-jax's tag equation, without exposing jaxpr
+    internals: shapes/dtypes of the tag's outputs, inputs and parameters, the
+    tag's extra parameters (``meta``), and the flat indices of its parameters in
+    the model's parameter pytree.
+    """
+
+    primitive: LayerTag
+    outputs: tuple[jax.ShapeDtypeStruct, ...]
+    inputs: tuple[jax.ShapeDtypeStruct, ...]
+    params: tuple[jax.ShapeDtypeStruct, ...]
+    param_indices: tuple[int, ...]
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    name: str = ""
+
+    @property
+    def tag_name(self) -> str:
+        return self.primitive.name

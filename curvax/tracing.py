@@ -1,0 +1,220 @@
+"""Tracing: a user function as a flat program we can read and re-run.
+
+``jax.make_jaxpr`` gives the equations of the user's function. We flatten
+calls (``jit``, ``closed_call``, ``remat``) into one list of equations keyed by
+integers, drop what the registered losses do not need, and evaluate the rest
+with public JAX calls. While evaluating we can add a perturbation to chosen
+values (the outputs of layers) and record others (their inputs): differentiating
+with respect to a zero perturbation gives the loss's gradient w.r.t. a layer's
+output, which is what every curvature block is estimated from.
+
+Nothing here re-implements JAX semantics: first-order primitives are bound with
+their own parameters; equations with sub-jaxprs are evaluated by JAX itself
+(see ``_compat.eval_equation``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from curvax import _compat, tags
+
+Key = int
+
+
+@dataclasses.dataclass(frozen=True)
+class Lit:
+    """A literal operand of an equation."""
+
+    value: Any
+
+
+Atom = Any  # Key | Lit
+
+
+@dataclasses.dataclass
+class Node:
+    """One equation of the flattened program, with integer keys for its values."""
+
+    eqn: Any
+    inputs: tuple[Atom, ...]
+    outputs: tuple[Key | None, ...]
+
+    @property
+    def primitive(self) -> Any:
+        return self.eqn.primitive
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        return self.eqn.params
+
+
+class Program:
+    """The flattened equations of a traced function.
+
+    Attributes:
+      nodes: equations in evaluation order.
+      input_keys: one key per flat argument leaf.
+      output_atoms: one atom per flat output leaf.
+      consts: values of the closed-over constants, by key.
+      avals: abstract value (shape, dtype) of every key.
+    """
+
+    def __init__(self, closed_jaxpr: Any, param_leaf_positions: Sequence[int] = ()):
+        self.nodes: list[Node] = []
+        self.consts: dict[Key, Any] = {}
+        self.avals: dict[Key, Any] = {}
+        self._counter = 0
+        self.input_keys = [self._new_key(v.aval) for v in closed_jaxpr.jaxpr.invars]
+        self.param_keys = frozenset(self.input_keys[i] for i in param_leaf_positions)
+        self.output_atoms = self._flatten(closed_jaxpr, self.input_keys)
+        self.producer: dict[Key, int] = {}
+        self.consumers: dict[Key, list[int]] = {}
+        for i, node in enumerate(self.nodes):
+            for k in node.outputs:
+                if k is not None:
+                    self.producer[k] = i
+            for a in node.inputs:
+                if not isinstance(a, Lit):
+                    self.consumers.setdefault(a, []).append(i)
+
+    def _new_key(self, aval: Any) -> Key:
+        k = self._counter
+        self._counter += 1
+        self.avals[k] = aval
+        return k
+
+    def _flatten(self, closed: Any, in_atoms: Sequence[Atom]) -> list[Atom]:
+        jaxpr = closed.jaxpr
+        env: dict[Any, Atom] = {}
+        for v, val in zip(jaxpr.constvars, closed.consts):
+            k = self._new_key(v.aval)
+            self.consts[k] = val
+            env[v] = k
+        for v, a in zip(jaxpr.invars, in_atoms):
+            env[v] = a
+
+        def read(v: Any) -> Atom:
+            return Lit(v.val) if _compat.is_literal(v) else env[v]
+
+        for eqn in jaxpr.eqns:
+            ins = tuple(read(v) for v in eqn.invars)
+            sub = _compat.sub_closed_jaxpr(eqn)
+            name = eqn.primitive.name
+            inline = sub is not None and (
+                name in _compat.CALL_PRIMITIVE_NAMES
+                or (name in _compat.CUSTOM_DERIVATIVE_NAMES and any(a in self.param_keys for a in ins))
+            )
+            if inline and len(sub.jaxpr.invars) == len(ins):
+                outs = self._flatten(sub, ins)
+                for v, a in zip(eqn.outvars, outs):
+                    if not _compat.is_dropvar(v):
+                        env[v] = a
+                continue
+            outs_keys: list[Key | None] = []
+            for v in eqn.outvars:
+                if _compat.is_dropvar(v):
+                    outs_keys.append(None)
+                else:
+                    k = self._new_key(v.aval)
+                    env[v] = k
+                    outs_keys.append(k)
+            self.nodes.append(Node(eqn, ins, tuple(outs_keys)))
+        return [read(v) for v in jaxpr.outvars]
+
+    # --- analysis -----------------------------------------------------------------
+
+    def live_nodes(self, roots: Iterable[Atom]) -> list[int]:
+        """Indices of the nodes that the given atoms depend on, in order."""
+        needed = {a for a in roots if not isinstance(a, Lit)}
+        live: list[int] = []
+        for i in range(len(self.nodes) - 1, -1, -1):
+            node = self.nodes[i]
+            if any(k in needed for k in node.outputs if k is not None):
+                live.append(i)
+                needed.update(a for a in node.inputs if not isinstance(a, Lit))
+        return live[::-1]
+
+    # --- evaluation ---------------------------------------------------------------
+
+    def evaluate(
+        self,
+        flat_args: Sequence[Any],
+        node_indices: Sequence[int],
+        wanted: Sequence[Atom],
+        transform: Mapping[Key, Callable[[Any], Any]] | None = None,
+    ) -> list[Any]:
+        """Evaluates the given nodes; returns the values of ``wanted``.
+
+        ``transform[k]`` (if given) replaces the value of key ``k`` right after it
+        is computed (or, for inputs, before use): this is how perturbations are
+        added to layer outputs.
+        """
+        transform = transform or {}
+        env: dict[Key, Any] = dict(self.consts)
+        for k, x in zip(self.input_keys, flat_args):
+            env[k] = x
+        for k, fn in transform.items():
+            if k in env:
+                env[k] = fn(env[k])
+
+        def read(a: Atom) -> Any:
+            return a.value if isinstance(a, Lit) else env[a]
+
+        for i in node_indices:
+            node = self.nodes[i]
+            outs = _compat.eval_equation(node.eqn, [read(a) for a in node.inputs])
+            for k, x in zip(node.outputs, outs):
+                if k is None:
+                    continue
+                env[k] = transform[k](x) if k in transform else x
+        return [read(a) for a in wanted]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSite:
+    """Where a registered loss sits in the program: its tag and operand atoms."""
+
+    tag: tags.LossTag
+    operands: tuple[Atom, ...]
+    args_names: tuple[str, ...]
+
+    @property
+    def dependant_operands(self) -> tuple[Atom, ...]:
+        return tuple(a for a, n in zip(self.operands, self.args_names) if n in self.tag.parameter_dependants_names)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSite:
+    """One layer in the program.
+
+    ``output`` is the key to which a perturbation is added, ``inputs`` the layer's
+    inputs, ``param_indices`` positions in the flat parameter leaves. ``meta``
+    says how to bring inputs/outputs to the canonical layout the blocks expect
+    (features last): ``input_feature_axis`` and ``output_feature_axis``.
+    """
+
+    tag: tags.LayerTag
+    output: Key
+    inputs: tuple[Atom, ...]
+    param_indices: tuple[int, ...]
+    meta: Mapping[str, Any]
+    name: str
+    pattern: str
+
+
+def find_loss_sites(program: Program) -> list[LossSite]:
+    sites = []
+    for node in program.nodes:
+        if isinstance(node.primitive, tags.LossTag):
+            sites.append(LossSite(node.primitive, node.inputs, tuple(node.params["args_names"])))
+    return sites
+
+
+def make_loss(site: LossSite, values: Sequence[Any]) -> Any:
+    return site.tag.loss(*values, args_names=site.args_names)

@@ -1,0 +1,442 @@
+"""Derived functions of a traced model: losses, their Jacobians, per-layer data.
+
+``ProcessedJaxpr`` ties a traced ``Program`` to its registered losses and its
+detected layers. From it we build the functions the estimators need, all with
+public transformations (``jax.vjp``, ``jax.jvp``, ``jax.linearize``):
+
+* ``loss_tags_vjp/jvp/hvp``: products with the Jacobian (and Hessian) of the
+  registered loss inputs with respect to the parameters;
+* ``layer_tags_vjp``: for every layer its inputs, outputs and the gradient of
+  the (sampled) loss with respect to its outputs and parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from curvax import _compat, detection, tags, utils
+from curvax.tracing import LayerSite, LossSite, Program, find_loss_sites, make_loss
+
+logger = logging.getLogger("curvax")
+
+
+def _shape_key(func_args: Sequence[Any]) -> Any:
+    leaves, tree = jax.tree_util.tree_flatten(func_args)
+    return tree, tuple((np.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+class ProcessedJaxpr:
+    """A traced function with its registered losses and its layers.
+
+    Attributes:
+      program: the flat program of the function.
+      in_tree: pytree structure of the function's arguments.
+      params_index: which argument holds the parameters.
+      loss_sites / layer_sites: the registered losses and the layers (sorted by
+        their first parameter).
+      layer_tags: one ``LayerTagEqn`` per layer, which blocks are built from.
+      layer_indices: per layer, the flat indices of its parameters.
+    """
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        func_args: Sequence[Any],
+        params_index: int = 0,
+        auto_register_tags: bool = True,
+        allow_left_out_params: bool = True,
+        register_only_generic: bool = False,
+        patterns_to_skip: Sequence[str] = (),
+        allow_no_losses: bool = False,
+        **unused_kwargs: Any,
+    ):
+        func_args = tuple(func_args)
+        if not 0 <= params_index < len(func_args):
+            raise ValueError(f"params_index={params_index} is out of range for {len(func_args)} function arguments.")
+        for path, leaf in jax.tree_util.tree_flatten_with_path(func_args[params_index])[0]:
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+                raise TypeError(
+                    f"Parameter {jax.tree_util.keystr(path) or '<root>'} has dtype {jnp.result_type(leaf)}; "
+                    "curvax optimizes floating-point parameters only (cast it, or move it out of `params`)."
+                )
+        self.func = func
+        self.params_index = params_index
+        self.in_tree = jax.tree_util.tree_structure(func_args)
+        self.params_tree = jax.tree_util.tree_structure(func_args[params_index])
+        offset = sum(len(jax.tree_util.tree_leaves(a)) for a in func_args[:params_index])
+        self.num_params = self.params_tree.num_leaves
+        self.params_offset = offset
+        closed = _compat.make_jaxpr(func, *func_args)
+        self.out_tree = jax.tree_util.tree_structure(jax.eval_shape(func, *func_args))
+        self.program = Program(closed, range(offset, offset + self.num_params))
+        self.loss_sites: tuple[LossSite, ...] = tuple(find_loss_sites(self.program))
+        if not self.loss_sites and not allow_no_losses:
+            raise ValueError(
+                "No loss is registered in the function: call one of curvax.register_*_loss (e.g. "
+                "register_softmax_cross_entropy_loss(logits, labels)) inside your loss function, on the "
+                "model's output, so that curvax knows which curvature to approximate."
+            )
+        loss_roots = [a for s in self.loss_sites for a in s.operands]
+        self.loss_nodes = self.program.live_nodes(loss_roots)
+        self.all_nodes = self.program.live_nodes(loss_roots + list(self.program.output_atoms))
+        if auto_register_tags:
+            det = detection.detect_layers(
+                self.program, self.loss_nodes, self.num_params, register_only_generic, patterns_to_skip
+            )
+        else:
+            det = detection.detect_layers(self.program, self.loss_nodes, self.num_params, True, ())
+        self.notes = det.notes
+        self.layer_sites: tuple[LayerSite, ...] = det.sites
+        self.layer_tags = tuple(detection.site_to_tag_eqn(self.program, s) for s in self.layer_sites)
+        self.layer_indices = tuple(s.param_indices for s in self.layer_sites)
+        if not allow_left_out_params and any(s.tag is tags.generic and s.pattern == "generic" for s in self.layer_sites):
+            left = [i for s in self.layer_sites if s.pattern == "generic" for i in s.param_indices]
+            raise ValueError(f"Parameters {left} are not part of any registered layer.")
+
+    # --- structure ----------------------------------------------------------------
+
+    def structure(self) -> tuple:
+        """What must not change between re-traces (layers and losses)."""
+        return (
+            tuple((s.tag.name, s.param_indices, s.pattern) for s in self.layer_sites),
+            tuple(s.tag.name for s in self.loss_sites),
+        )
+
+    def split_args(self, func_args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """Flat parameter leaves and the other flat leaves of ``func_args``."""
+        leaves, tree = jax.tree_util.tree_flatten(tuple(func_args))
+        if tree != self.in_tree:
+            raise ValueError(
+                "The function arguments have a different structure from those the function was traced with:\n"
+                f"expected {self.in_tree}\ngot      {tree}"
+            )
+        o, n = self.params_offset, self.num_params
+        return leaves[o : o + n], leaves[:o] + leaves[o + n :]
+
+    def join_args(self, params_flat: Sequence[Any], other_flat: Sequence[Any]) -> list[Any]:
+        o = self.params_offset
+        return list(other_flat[:o]) + list(params_flat) + list(other_flat[o:])
+
+    # --- evaluation ---------------------------------------------------------------
+
+    def perturbable_sites(self) -> list[int]:
+        return [i for i, s in enumerate(self.layer_sites) if s.tag is not tags.generic]
+
+    def evaluate(
+        self,
+        params_flat: Sequence[Any],
+        other_flat: Sequence[Any],
+        perturbations: Sequence[Any] | None = None,
+        with_outputs: bool = False,
+    ) -> tuple[tuple, tuple]:
+        """Runs the program.
+
+        Returns ``(differentiable, aux)``: ``differentiable`` holds, per loss, its
+        parameter-dependent inputs (and the function's flat outputs when
+        ``with_outputs``); ``aux`` holds every loss operand and every layer's
+        inputs and outputs.
+        """
+        sites = self.perturbable_sites()
+        transform = {}
+        if perturbations is not None:
+            for i, eps in zip(sites, perturbations):
+                transform[self.layer_sites[i].output] = lambda v, e=eps: v + e
+        wanted: list[Any] = []
+        for s in self.loss_sites:
+            wanted.extend(s.operands)
+        for s in self.layer_sites:
+            wanted.extend(s.inputs)
+            wanted.append(s.output)
+        if with_outputs:
+            wanted.extend(self.program.output_atoms)
+        nodes = self.all_nodes if with_outputs else self.loss_nodes
+        vals = self.program.evaluate(self.join_args(params_flat, other_flat), nodes, wanted, transform)
+        it = iter(vals)
+        operands = tuple(tuple(next(it) for _ in s.operands) for s in self.loss_sites)
+        layer_data = []
+        for s in self.layer_sites:
+            xs = tuple(next(it) for _ in s.inputs)
+            layer_data.append((xs, next(it)))
+        outputs = tuple(it) if with_outputs else ()
+        dependants = tuple(
+            tuple(v for v, n in zip(ops, s.args_names) if n in s.tag.parameter_dependants_names)
+            for s, ops in zip(self.loss_sites, operands)
+        )
+        return (dependants, outputs), (operands, tuple(layer_data))
+
+    def losses_from_operands(self, operands: Sequence[Sequence[Any]]) -> tuple[Any, ...]:
+        return tuple(make_loss(s, ops) for s, ops in zip(self.loss_sites, operands))
+
+    def zero_perturbations(self, params_flat: Sequence[Any], other_flat: Sequence[Any]) -> tuple[Any, ...]:
+        shapes = jax.eval_shape(lambda p, o: self.evaluate(p, o)[1][1], params_flat, other_flat)
+        return tuple(jnp.zeros(shapes[i][1].shape, shapes[i][1].dtype) for i in self.perturbable_sites())
+
+    # --- reporting ----------------------------------------------------------------
+
+    def registration_table(self, params: Any, block_names: Sequence[str] | None = None) -> str:
+        """One line per layer: its parameters (by path), kind and block."""
+        paths = utils.param_paths(params)
+        lines = ["Graph parameter registrations:"]
+        for j, site in enumerate(self.layer_sites):
+            names = ", ".join(paths[i] for i in site.param_indices)
+            block = f" -> {block_names[j]}" if block_names else ""
+            flag = ""
+            if site.pattern == "generic":
+                flag = "  [generic fallback: register it with curvax.register_* if it belongs to a layer]"
+            lines.append(f"  {names:<40s} {site.name}{block}{flag}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)
+
+
+class _Cache:
+    """Traces a function once per argument shape and keeps the layers fixed."""
+
+    def __init__(self, func: Callable[..., Any], params_index: int, raise_on_diff: bool = True, **kwargs: Any):
+        self.func = func
+        self.params_index = params_index
+        self.kwargs = kwargs
+        self.raise_on_diff = raise_on_diff
+        self._by_shape: dict[Any, ProcessedJaxpr] = {}
+        self.first: ProcessedJaxpr | None = None
+
+    def get(self, func_args: Sequence[Any]) -> ProcessedJaxpr:
+        key = _shape_key(func_args)
+        pj = self._by_shape.get(key)
+        if pj is None:
+            pj = ProcessedJaxpr(self.func, func_args, self.params_index, **self.kwargs)
+            if self.first is None:
+                self.first = pj
+            elif self.raise_on_diff and pj.structure() != self.first.structure():
+                raise ValueError(
+                    "Tracing the function with differently shaped arguments found different layers or "
+                    "losses than the first trace; curvax needs the same model structure for every batch."
+                )
+            self._by_shape[key] = pj
+        return pj
+
+
+def _params_of(pj: ProcessedJaxpr, func_args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    return pj.split_args(func_args)
+
+
+def loss_tags_vjp(func: Callable[..., Any], params_index: int = 0) -> Callable[..., Any]:
+    """``f(func_args) -> (losses, vjp)``; ``vjp(cotangents)`` gives parameter cotangents.
+
+    ``cotangents`` has, per loss, a tuple of arrays shaped like its
+    parameter-dependent inputs; the result is shaped like the parameters.
+    """
+    cache = _Cache(func, params_index)
+
+    def wrapped(func_args: Sequence[Any]) -> tuple[tuple[Any, ...], Callable[[Any], Any]]:
+        pj = cache.get(func_args)
+        p, o = pj.split_args(func_args)
+        (deps, _), vjp, (ops, _) = jax.vjp(lambda q: pj.evaluate(q, o), p, has_aux=True)
+        losses = pj.losses_from_operands(ops)
+
+        def vjp_fn(cotangents: Sequence[Sequence[Any]]) -> Any:
+            cot = _check_loss_vectors(cotangents, deps, "loss cotangents")
+            (g,) = vjp((cot, ()))
+            return jax.tree_util.tree_unflatten(pj.params_tree, g)
+
+        return losses, vjp_fn
+
+    return wrapped
+
+
+def loss_tags_jvp(func: Callable[..., Any], params_index: int = 0) -> Callable[..., Any]:
+    """``f(func_args, params_tangents) -> (losses, tangents of each loss's inputs)``."""
+    cache = _Cache(func, params_index)
+
+    def wrapped(func_args: Sequence[Any], params_tangents: Any) -> tuple[tuple[Any, ...], tuple]:
+        pj = cache.get(func_args)
+        p, o = pj.split_args(func_args)
+        t = _flat_like_params(pj, params_tangents, "params_tangents")
+        (deps, _), (tdeps, _), (ops, _) = jax.jvp(lambda q: pj.evaluate(q, o), (p,), (t,), has_aux=True)
+        return pj.losses_from_operands(ops), tdeps
+
+    return wrapped
+
+
+def loss_tags_hvp(func: Callable[..., Any], params_index: int = 0) -> Callable[..., Any]:
+    """``f(func_args, params_vector) -> (H v, losses)`` for the sum of all registered losses.
+
+    H is the Hessian of ``sum_losses sum(loss.evaluate())`` (not divided by the
+    batch size) with respect to the parameters.
+    """
+    cache = _Cache(func, params_index)
+
+    def wrapped(func_args: Sequence[Any], params_vector: Any) -> tuple[Any, tuple[Any, ...]]:
+        pj = cache.get(func_args)
+        p, o = pj.split_args(func_args)
+        v = _flat_like_params(pj, params_vector, "params_vector")
+
+        def total(q: Sequence[Any]) -> tuple[jax.Array, Any]:
+            _, (ops, _) = pj.evaluate(q, o)
+            losses = pj.losses_from_operands(ops)
+            return sum(jnp.sum(loss.evaluate()) for loss in losses), ops
+
+        def grad_dot(q: Sequence[Any]) -> tuple[Any, Any]:
+            g, ops = jax.grad(total, has_aux=True)(q)
+            return g, ops
+
+        _, hv, ops = jax.jvp(grad_dot, (p,), (v,), has_aux=True)
+        return jax.tree_util.tree_unflatten(pj.params_tree, hv), pj.losses_from_operands(ops)
+
+    return wrapped
+
+
+def canonical_layer_data(site: LayerSite, xs: Sequence[Any], y: Any) -> tuple[tuple, Any]:
+    """Moves feature axes last so that blocks see ``(batch, ..., features)``."""
+    ia = site.meta.get("input_feature_axis")
+    oa = site.meta.get("output_feature_axis")
+    if ia is not None:
+        xs = tuple(jnp.moveaxis(x, ia, -1) for x in xs)
+    if oa is not None and y is not None:
+        y = jnp.moveaxis(y, oa, -1)
+    return tuple(xs), y
+
+
+def layer_tags_vjp(
+    func: Callable[..., Any],
+    params_index: int = 0,
+    auto_register_tags: bool = True,
+    raise_error_on_diff_jaxpr: bool = True,
+    **auto_registration_kwargs: Any,
+) -> Callable[..., Any]:
+    """``f(func_args) -> (losses, vjp)``: ``vjp(loss_cotangents)`` returns per-layer data.
+
+    Each entry is a dict with ``inputs``, ``outputs``, ``params``,
+    ``outputs_tangent`` (the cotangent of the layer's outputs) and
+    ``params_tangent`` (of its parameters), features last.
+    """
+    cache = _Cache(
+        func, params_index, raise_error_on_diff_jaxpr, auto_register_tags=auto_register_tags, **auto_registration_kwargs
+    )
+
+    def wrapped(func_args: Sequence[Any]) -> tuple[tuple[Any, ...], Callable[[Any], list[dict]]]:
+        pj = cache.get(func_args)
+        p, o = pj.split_args(func_args)
+        eps = pj.zero_perturbations(p, o)
+        (deps, _), vjp, (ops, layer_data) = jax.vjp(lambda q, e: pj.evaluate(q, o, e), p, eps, has_aux=True)
+        losses = pj.losses_from_operands(ops)
+
+        def vjp_fn(cotangents: Sequence[Sequence[Any]]) -> list[dict]:
+            cot = _check_loss_vectors(cotangents, deps, "loss cotangents")
+            dp, de = vjp((cot, ()))
+            return assemble_layer_data(pj, p, layer_data, dp, de)
+
+        return losses, vjp_fn
+
+    wrapped.processed_jaxpr = cache  # type: ignore[attr-defined]
+    return wrapped
+
+
+def assemble_layer_data(
+    pj: ProcessedJaxpr, params_flat: Sequence[Any], layer_data: Sequence[Any], dparams: Sequence[Any], deps: Sequence[Any]
+) -> list[dict]:
+    """Per-layer estimation data from a joint vjp over parameters and perturbations."""
+    out = []
+    pert = {j: i for i, j in enumerate(pj.perturbable_sites())}
+    for j, site in enumerate(pj.layer_sites):
+        xs, y = layer_data[j]
+        dy = deps[pert[j]] if j in pert else None
+        xs_c, y_c = canonical_layer_data(site, xs, y)
+        _, dy_c = canonical_layer_data(site, (), dy)
+        out.append(
+            {
+                "inputs": xs_c,
+                "outputs": (y_c,) if j in pert else (),
+                "params": tuple(params_flat[i] for i in site.param_indices),
+                "outputs_tangent": (dy_c,) if j in pert else (),
+                "params_tangent": tuple(dparams[i] for i in site.param_indices),
+            }
+        )
+    return out
+
+
+def _flat_like_params(pj: ProcessedJaxpr, tree: Any, name: str) -> list[Any]:
+    leaves, t = jax.tree_util.tree_flatten(tree)
+    if t != pj.params_tree:
+        raise ValueError(f"`{name}` must have the structure of the parameters:\nexpected {pj.params_tree}\ngot      {t}")
+    return leaves
+
+
+def _check_loss_vectors(vectors: Sequence[Sequence[Any]], like: Sequence[Sequence[Any]], name: str) -> tuple:
+    if len(vectors) != len(like):
+        raise ValueError(f"`{name}` must have one entry per registered loss ({len(like)}), got {len(vectors)}.")
+    out = []
+    for i, (v, l) in enumerate(zip(vectors, like)):
+        v = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+        if len(v) != len(l) or any(np.shape(a) != np.shape(b) for a, b in zip(v, l)):
+            raise ValueError(
+                f"`{name}`[{i}] must match the loss inputs' shapes {[np.shape(b) for b in l]}, "
+                f"got {[np.shape(a) for a in v]}."
+            )
+        out.append(tuple(jnp.asarray(a, b.dtype) for a, b in zip(v, l)))
+    return tuple(out)
+
+
+def auto_register_tags(
+    func: Callable[..., Any],
+    func_args: Sequence[Any],
+    params_index: int = 0,
+    register_only_generic: bool = False,
+    compute_only_loss_tags: bool = True,
+    patterns_to_skip: Sequence[str] = (),
+    allow_multiple_registrations: bool = False,
+    **unused: Any,
+) -> Callable[..., Any]:
+    """Returns ``func`` with a layer tag bound at every detected layer.
+
+    The returned function computes the same outputs as ``func``; tracing it
+    shows the tags (``jax.make_jaxpr``). Its ``processed_jaxpr`` attribute holds
+    the detection result.
+    """
+    pj = ProcessedJaxpr(
+        func, func_args, params_index, register_only_generic=register_only_generic, patterns_to_skip=patterns_to_skip
+    )
+
+    def tagged(*args: Any) -> Any:
+        p, o = pj.split_args(args)
+        flat = pj.join_args(p, o)
+        env_sites = {s.output: s for s in pj.layer_sites if s.pattern not in ("manual", "generic")}
+        # Evaluate once to know inputs, then bind the tags on the outputs.
+        wanted = list(pj.program.output_atoms)
+        values: dict[Any, Any] = {}
+
+        def make(site: LayerSite) -> Callable[[Any], Any]:
+            def fn(v: Any) -> Any:
+                xs = [values[a] if not hasattr(a, "value") else a.value for a in site.inputs]
+                ps = [p[i] for i in site.param_indices]
+                return site.tag.bind(v, *xs, *ps, **{k: _hashable(x) for k, x in site.meta.items()})
+
+            return fn
+
+        # Record inputs as they are computed.
+        needed_inputs = {a for s in env_sites.values() for a in s.inputs if not hasattr(a, "value")}
+        transform = {}
+        for k in needed_inputs:
+            transform[k] = lambda v, k=k: values.__setitem__(k, v) or v
+        for k, site in env_sites.items():
+            prev = transform.get(k)
+            fn = make(site)
+            transform[k] = (lambda v, prev=prev, fn=fn: fn(prev(v))) if prev else fn
+        outs = pj.program.evaluate(flat, pj.all_nodes, wanted, transform)
+        return jax.tree_util.tree_unflatten(pj.out_tree, outs)
+
+    tagged.processed_jaxpr = pj  # type: ignore[attr-defined]
+    return tagged
+
+
+def _hashable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return tuple(sorted(x.items()))
+    if isinstance(x, list):
+        return tuple(x)
+    return x

@@ -1,0 +1,111 @@
+"""Small pytree and batch helpers used across curvax (and by user code, as in kfac-jax)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = Any
+Batch = Any
+FuncArgs = Sequence[Any]
+
+
+def inner_product(obj1: Any, obj2: Any) -> jax.Array:
+    """Sum over leaves of ``sum(a * b)``; the two pytrees must have the same structure."""
+    l1, t1 = jax.tree_util.tree_flatten(obj1)
+    l2, t2 = jax.tree_util.tree_flatten(obj2)
+    if t1 != t2:
+        raise ValueError(f"inner_product: the two pytrees differ in structure:\n{t1}\nvs\n{t2}")
+    if not l1:
+        return jnp.zeros([])
+    return sum(jnp.sum(a * b) for a, b in zip(l1, l2))
+
+
+def squared_norm(obj: Any) -> jax.Array:
+    return inner_product(obj, obj)
+
+
+def norm(obj: Any) -> jax.Array:
+    return jnp.sqrt(squared_norm(obj))
+
+
+def scalar_mul(obj: Any, scalar: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: x * scalar, obj)
+
+
+def tree_add(a: Any, b: Any) -> Any:
+    return jax.tree_util.tree_map(jnp.add, a, b)
+
+
+def weighted_sum_of_objects(objects: Sequence[Any], coefficients: Sequence[Any]) -> Any:
+    """``sum_i c_i * obj_i`` over pytrees of the same structure."""
+    if len(objects) != len(coefficients):
+        raise ValueError("weighted_sum_of_objects: objects and coefficients differ in length.")
+    return jax.tree_util.tree_map(lambda *xs: sum(c * x for c, x in zip(coefficients, xs)), *objects)
+
+
+def matrix_of_inner_products(vectors: Sequence[Any]) -> jax.Array:
+    """The Gram matrix ``M[i, j] = <v_i, v_j>``."""
+    n = len(vectors)
+    rows = [[inner_product(vectors[i], vectors[j]) for j in range(n)] for i in range(n)]
+    return jnp.array(rows) if n else jnp.zeros((0, 0))
+
+
+def vector_of_inner_products(base: Any, vectors: Sequence[Any]) -> jax.Array:
+    return jnp.stack([inner_product(base, v) for v in vectors])
+
+
+def default_batch_size_extractor(batch: Batch) -> int:
+    """The size of the leading axis of the batch's first leaf (static)."""
+    leaves = jax.tree_util.tree_leaves(batch)
+    if not leaves:
+        raise ValueError("The batch has no array leaves; cannot infer the batch size.")
+    shape = np.shape(leaves[0])
+    if not shape:
+        raise ValueError("The batch's first leaf is a scalar; cannot infer the batch size.")
+    return int(shape[0])
+
+
+def check_batch_leading_sizes(batch: Batch, arg_name: str = "batch") -> None:
+    """Raises a clear error when batch leaves disagree on their leading size."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(batch)
+    sizes = {}
+    for path, leaf in leaves:
+        shape = np.shape(leaf)
+        if shape:
+            sizes[jax.tree_util.keystr(path) or "<root>"] = int(shape[0])
+    if len(set(sizes.values())) > 1:
+        desc = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+        raise ValueError(f"All leaves of `{arg_name}` must have the same leading (batch) size; got {desc}.")
+
+
+def first_dim_is_size(size: int, *arrays: jax.Array) -> bool:
+    return all(a.shape[0] == size for a in arrays)
+
+
+def tree_zeros_like(obj: Any) -> Any:
+    return jax.tree_util.tree_map(jnp.zeros_like, obj)
+
+
+def param_paths(params: Params) -> list[str]:
+    """Readable '/'-joined names for each leaf of a parameter pytree, in leaf order."""
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        parts = []
+        for k in path:
+            if isinstance(k, jax.tree_util.DictKey):
+                parts.append(str(k.key))
+            elif isinstance(k, jax.tree_util.SequenceKey):
+                parts.append(str(k.idx))
+            elif isinstance(k, jax.tree_util.GetAttrKey):
+                parts.append(str(k.name))
+            else:
+                parts.append(str(k))
+        out.append("/".join(parts) or "<root>")
+    return out
+
+
+Schedule = Callable[[Any], Any]

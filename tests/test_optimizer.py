@@ -1,0 +1,256 @@
+"""The Optimizer: known behaviour, the quadratic model, damping, input checking."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import curvax
+
+KEY = jax.random.PRNGKey(0)
+L2 = 1e-2
+
+
+def mlp(p, x):
+    h = jnp.tanh(x @ p[0]["w"] + p[0]["b"])
+    return h @ p[1]["w"] + p[1]["b"]
+
+
+def init_mlp(key, d_in=4, d_hid=6, d_out=3):
+    k1, k2 = jax.random.split(key)
+    return [
+        {"w": jax.random.normal(k1, (d_in, d_hid)) / 2, "b": jnp.zeros(d_hid)},
+        {"w": jax.random.normal(k2, (d_hid, d_out)) / 2, "b": jnp.zeros(d_out)},
+    ]
+
+
+def classification_batch(key, n=16, d_in=4, classes=3):
+    kx, ky = jax.random.split(key)
+    return jax.random.normal(kx, (n, d_in)), jax.random.randint(ky, (n,), 0, classes)
+
+
+def ce_loss(p, batch):
+    x, y = batch
+    logits = mlp(p, x)
+    curvax.register_softmax_cross_entropy_loss(logits, y)
+    ce = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+    return ce + 0.5 * L2 * curvax.utils.inner_product(p, p)
+
+
+def exact_ggn(p, batch):
+    """Dense (1/B) sum_n J_n^T F_n J_n for the softmax MLP."""
+    flat, unravel = ravel_pytree(p)
+    x = batch[0]
+    jac = jax.vmap(lambda xi: jax.jacobian(lambda f: mlp(unravel(f), xi[None])[0])(flat))(x)
+    probs = jax.nn.softmax(mlp(p, x))
+    fl = jax.vmap(lambda q: jnp.diag(q) - jnp.outer(q, q))(probs)
+    return jnp.einsum("nkp,nkl,nlq->pq", jac, fl, jac) / x.shape[0]
+
+
+def make_opt(**kwargs):
+    defaults = dict(value_and_grad_func=jax.value_and_grad(ce_loss), l2_reg=L2, num_burnin_steps=0)
+    defaults.update(kwargs)
+    return curvax.Optimizer(**defaults)
+
+
+def test_newton_step_solves_linear_least_squares_in_one_step():
+    """Single dense layer, squared error: K-FAC with exact inverses is Newton's method."""
+    kx, kw, kt = jax.random.split(KEY, 3)
+    x = jax.random.normal(kx, (32, 5))
+    t = x @ jax.random.normal(kw, (5, 3)) + 0.1 * jax.random.normal(kt, (32, 3))
+
+    def loss(p, b):
+        out = b[0] @ p["w"] + p["b"]
+        curvax.register_squared_error_loss(out, b[1])
+        return jnp.mean(jnp.sum((out - b[1]) ** 2, -1))
+
+    params = {"w": jnp.zeros((5, 3)), "b": jnp.zeros(3)}
+    opt = curvax.Optimizer(
+        jax.value_and_grad(loss), l2_reg=0.0, estimation_mode="ggn_exact", curvature_ema=0.0,
+        inverse_update_period=1, use_exact_inverses=True, num_burnin_steps=0,
+    )
+    state = opt.init(params, KEY, (x, t))
+    params, state, stats = opt.step(params, state, KEY, batch=(x, t), learning_rate=1.0, momentum=0.0, damping=1e-6)
+    xa = jnp.concatenate([x, jnp.ones((32, 1))], 1)
+    best = jnp.linalg.lstsq(xa, t)[0]
+    np.testing.assert_allclose(params["w"], best[:5], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(loss(params, (x, t)), loss({"w": best[:5], "b": best[5]}, (x, t)), rtol=1e-3)
+
+
+def test_adaptive_learning_rate_and_momentum_minimise_the_exact_quadratic_model():
+    """After a step, the update delta is the minimiser of the damped quadratic model
+    over span(precond_grad, velocity); since delta and the old velocity span the same
+    plane, the model's gradient at delta is orthogonal to both."""
+    with jax.enable_x64(True):
+        params = init_mlp(KEY)
+        batch = classification_batch(jax.random.PRNGKey(1))
+        damping = 0.5
+        opt = make_opt(use_adaptive_learning_rate=True, use_adaptive_momentum=True, estimation_mode="fisher_exact")
+        state = opt.init(params, KEY, batch)
+        for i in range(3):
+            old_v = state.velocities
+            g = jax.grad(ce_loss)(params, batch)
+            c = exact_ggn(params, batch) + (L2 + damping) * jnp.eye(ravel_pytree(params)[0].size)
+            new_params, state, stats = opt.step(params, state, jax.random.PRNGKey(i), batch=batch, damping=damping)
+            delta = ravel_pytree(state.velocities)[0]
+            model_grad = c @ delta + ravel_pytree(g)[0]
+            for u in ([delta] + ([ravel_pytree(old_v)[0]] if i > 0 else [])):
+                assert abs(u @ model_grad) < 1e-4 * jnp.linalg.norm(u) * jnp.linalg.norm(ravel_pytree(g)[0])
+            if i == 0:
+                assert float(stats["momentum"]) == 0.0
+            # The reported model change is the model's value at delta.
+            q = 0.5 * delta @ (c - damping * jnp.eye(len(delta))) @ delta + delta @ ravel_pytree(g)[0]
+            np.testing.assert_allclose(stats["quad_model_change"], q, rtol=1e-3)
+            params = new_params
+
+
+def test_damping_follows_the_levenberg_marquardt_rule():
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(2))
+    opt = make_opt(
+        use_adaptive_damping=True, initial_damping=1.0, damping_adaptation_interval=3,
+        damping_adaptation_decay=0.8, use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+    )
+    state = opt.init(params, KEY, batch)
+    factor = 0.8**3
+    moved = 0
+    for i in range(12):
+        before = float(state.damping)
+        new_params, state, stats = opt.step(params, state, jax.random.PRNGKey(i), batch=batch)
+        after = float(state.damping)
+        if (i + 1) % 3 != 0:
+            assert after == before and np.isnan(stats["rho"])
+            params = new_params
+            continue
+        np.testing.assert_allclose(stats["new_loss"], ce_loss(new_params, batch), rtol=1e-5)
+        rho = float((stats["new_loss"] - stats["loss"]) / stats["quad_model_change"])
+        np.testing.assert_allclose(stats["rho"], rho, rtol=1e-4)
+        want = before / factor if rho < 0.25 else before * factor if rho > 0.75 else before
+        np.testing.assert_allclose(after, want, rtol=1e-6)
+        moved += after != before
+        params = new_params
+    assert moved >= 1
+
+
+def test_step_compiles_once_and_schedules_are_used():
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(3))
+    sched = lambda step: 0.1 / (1.0 + step)
+    opt = make_opt(learning_rate_schedule=sched, use_adaptive_damping=True, initial_damping=1.0, inverse_update_period=2)
+    state = opt.init(params, KEY, batch)
+    for i in range(7):
+        params, state, stats = opt.step(params, state, jax.random.PRNGKey(i), batch=batch, momentum=0.9 - 0.01 * i)
+        np.testing.assert_allclose(stats["learning_rate"], sched(i), rtol=1e-6)
+        np.testing.assert_allclose(stats["momentum"], 0.9 - 0.01 * i, rtol=1e-6)
+    assert opt.trace_count == 1
+    assert int(state.step_counter) == 7 and int(state.data_seen) == 7 * 16
+
+
+def test_norm_constraint_bounds_the_update():
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(4))
+    opt = make_opt(norm_constraint=1e-4)
+    state = opt.init(params, KEY, batch)
+    g = jax.grad(ce_loss)(params, batch)
+    _, state, stats = opt.step(params, state, KEY, batch=batch, learning_rate=1.0, momentum=0.0, damping=1e-3)
+    assert float(stats["scaled_grad_norm_sq"]) > 1e-4  # the constraint was active
+    # lr^2 <Delta, g> after scaling equals the constraint: delta = -lr * Delta.
+    np.testing.assert_allclose(-curvax.utils.inner_product(state.velocities, g), 1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "mode", ["fisher_gradients", "fisher_empirical", "fisher_curvature_prop", "ggn_curvature_prop", "fisher_exact", "ggn_exact"]
+)
+def test_every_estimation_mode_trains(mode):
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(5))
+    opt = make_opt(estimation_mode=mode, use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+                   use_adaptive_damping=True, initial_damping=1.0)
+    state = opt.init(params, KEY, batch)
+    first = None
+    for i in range(10):
+        params, state, stats = opt.step(params, state, jax.random.PRNGKey(i), batch=batch)
+        first = float(stats["loss"]) if first is None else first
+    assert float(ce_loss(params, batch)) < 0.7 * first
+
+
+def test_state_rng_and_aux_are_threaded_through():
+    def loss(p, fstate, rng, batch):
+        noise = 1e-3 * jax.random.normal(rng, ())
+        value = ce_loss(p, batch) + noise
+        return value, ({"count": fstate["count"] + 1}, {"noise": noise})
+
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(6))
+    opt = make_opt(
+        value_and_grad_func=jax.value_and_grad(loss, has_aux=True),
+        value_func_has_aux=True, value_func_has_state=True, value_func_has_rng=True, include_norms_in_stats=True,
+    )
+    fstate = {"count": jnp.zeros([], jnp.int32)}
+    state = opt.init(params, KEY, batch, fstate)
+    for i in range(2):
+        params, state, fstate, stats = opt.step(
+            params, state, jax.random.PRNGKey(i), batch=batch, func_state=fstate, learning_rate=0.1, momentum=0.0, damping=1.0
+        )
+    assert int(fstate["count"]) == 2
+    assert "noise" in stats["aux"]
+    assert {"param_norm", "grad_norm", "precon_grad_norm", "update_norm"} <= set(stats)
+
+
+def test_burnin_with_batch_only_warns_once_and_iterator_is_consumed():
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(7))
+    opt = make_opt(num_burnin_steps=3)
+    state = opt.init(params, KEY, batch)
+    with pytest.warns(UserWarning, match="burn-in"):
+        _, state2, _ = opt.step(params, state, KEY, batch=batch, learning_rate=0.1, momentum=0.0, damping=1.0)
+    consumed = []
+
+    def it():
+        for i in range(10):
+            consumed.append(i)
+            yield batch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step(params, state, KEY, data_iterator=it(), learning_rate=0.1, momentum=0.0, damping=1.0)
+    assert len(consumed) == 4  # 3 burn-in batches and the step's batch
+
+
+def test_bad_input_gets_clear_errors():
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(8))
+
+    with pytest.raises(ValueError, match="No loss is registered"):
+        opt = curvax.Optimizer(jax.value_and_grad(lambda p, b: jnp.mean(mlp(p, b[0]) ** 2)), l2_reg=0.0)
+        opt.init(params, KEY, batch)
+    with pytest.raises(ValueError, match="value_func_has_aux=True"):
+        make_opt(value_func_has_aux=True).init(params, KEY, batch)
+    with pytest.raises(ValueError, match="initial_damping"):
+        make_opt(use_adaptive_damping=True)
+    with pytest.raises(NotImplementedError, match="multi_device"):
+        make_opt(multi_device=True)
+    opt = make_opt(use_adaptive_learning_rate=True)
+    state = opt.init(params, KEY, batch)
+    with pytest.raises(ValueError, match="exactly one of `data_iterator` and `batch`"):
+        opt.step(params, state, KEY, momentum=0.0, damping=1.0)
+    with pytest.raises(ValueError, match="exactly one of `data_iterator` and `batch`"):
+        opt.step(params, state, KEY, batch=batch, data_iterator=iter([batch]), momentum=0.0, damping=1.0)
+    with pytest.raises(ValueError, match="`learning_rate` was passed"):
+        opt.step(params, state, KEY, batch=batch, learning_rate=0.1, momentum=0.0, damping=1.0)
+    with pytest.raises(ValueError, match="needs `damping=`"):
+        opt.step(params, state, KEY, batch=batch, momentum=0.0)
+    with pytest.raises(ValueError, match="differ in structure"):
+        opt.step(params[:1], state, KEY, batch=batch, momentum=0.0, damping=1.0)
+    with pytest.raises(ValueError, match="same leading"):
+        opt.step(params, state, KEY, batch=(batch[0], batch[1][:3]), momentum=0.0, damping=1.0)
+    int_params = jax.tree_util.tree_map(lambda x: x.astype(jnp.int32), params)
+    with pytest.raises(TypeError, match="floating"):
+        make_opt().init(int_params, KEY, batch)
+    with pytest.raises(AttributeError, match="after construction"):
+        opt.some_setting = 3
