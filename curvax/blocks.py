@@ -1175,9 +1175,12 @@ class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
             raise ValueError(f"{self._name}: inputs and output tangents have different numbers of rows.")
         dtype = self.dtype
         x, dy = x.astype(dtype), dy.astype(dtype)
+        n = x.shape[0]
+        a = (x.T @ x) / n
         if self.has_bias:
-            x = jnp.concatenate([x, jnp.ones((x.shape[0], 1), dtype)], axis=1)
-        a = (x.T @ x) / x.shape[0]
+            # [x, 1]^T [x, 1] assembled from pieces: no copy of x with a ones column.
+            mean = jnp.sum(x, axis=0) / n
+            a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), dtype)]])
         g = (dy.T @ dy) / batch_size
         state = _copy_state(state)
         state.inputs_factor.update(a, ema_old, ema_new)

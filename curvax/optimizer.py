@@ -532,7 +532,13 @@ class Optimizer:
                 update_damping, lambda: quad_change_of(model()), lambda: jnp.asarray(jnp.nan, jnp.float32)
             )
 
-        delta = utils.weighted_sum_of_objects(vectors, (coeffs[0], coeffs[1]))
+        # A non-finite preconditioned gradient (singular curvature with zero damping) must
+        # not reach the parameters: skip the update instead. One scalar decides.
+        finite = jnp.isfinite(utils.inner_product(precon, grads)) & jnp.all(jnp.isfinite(coeffs))
+        coeffs = jnp.where(finite, coeffs, 0.0)
+        delta = jax.tree_util.tree_map(
+            lambda a, b: jnp.where(finite, coeffs[0] * a + coeffs[1] * b, 0.0), precon, state.velocities
+        )
         new_params = utils.tree_add(params, delta)
 
         # 6. Damping.
@@ -572,6 +578,7 @@ class Optimizer:
             "damping": jnp.asarray(damping, jnp.float32),
             "rho": rho,
             "quad_model_change": quad_change,
+            "update_skipped": jnp.logical_not(finite),
         }
         if scaled_sq is not None:
             stats["scaled_grad_norm_sq"] = scaled_sq
