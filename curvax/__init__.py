@@ -1,1 +1,116 @@
-"""curvax (public API assembled once all modules land)."""
+"""curvax: second-order optimization and curvature approximations in JAX.
+
+The public API mirrors kfac-jax's documented one, so ``import curvax as
+kfac_jax`` runs kfac-jax code. Modules, in dependency order:
+
+* ``tags``, ``losses``       -- marking layers and losses in a computation;
+* ``tracing``, ``transforms`` -- reading a traced function, Jacobian products;
+* ``detection``              -- finding layers automatically;
+* ``blocks``, ``linalg``     -- curvature blocks (Kronecker, diagonal, full ...);
+* ``estimators``             -- block-diagonal and exact curvature estimators;
+* ``optimizer``              -- the K-FAC optimizer.
+"""
+
+from curvax import utils
+from curvax.blocks import (
+    CurvatureBlock,
+    DenseDiagonal,
+    DenseFull,
+    DenseTwoKroneckerFactored,
+    Diagonal,
+    Full,
+    KroneckerFactored,
+    NaiveDiagonal,
+    NaiveFull,
+    ScaledIdentity,
+    TwoKroneckerFactored,
+    WeightedMovingAverage,
+    get_default_eigen_decomposition_threshold,
+    get_default_tag_to_block_ctor,
+    set_default_eigen_decomposition_threshold,
+    set_default_tag_to_block_ctor,
+)
+from curvax.estimators import (
+    BlockDiagonalCurvature,
+    CurvatureEstimator,
+    ExplicitExactCurvature,
+    ImplicitExactCurvature,
+)
+from curvax.losses import (
+    CategoricalLogitsNegativeLogProbLoss,
+    DistributionNegativeLogProbLoss,
+    LossFunction,
+    MultiBernoulliNegativeLogProbLoss,
+    NegativeLogProbLoss,
+    NormalMeanNegativeLogProbLoss,
+    NormalMeanVarianceNegativeLogProbLoss,
+    OneHotCategoricalLogitsNegativeLogProbLoss,
+    register_categorical_predictive_distribution,
+    register_multi_bernoulli_predictive_distribution,
+    register_normal_predictive_distribution,
+    register_sigmoid_cross_entropy_loss,
+    register_softmax_cross_entropy_loss,
+    register_squared_error_loss,
+)
+from curvax.optimizer import Optimizer
+from curvax.tags import LayerTag, LayerTagEqn, LossTag, register_dense, register_generic
+from curvax.transforms import (
+    ProcessedJaxpr,
+    auto_register_tags,
+    layer_tags_vjp,
+    loss_tags_hvp,
+    loss_tags_jvp,
+    loss_tags_vjp,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockDiagonalCurvature",
+    "CategoricalLogitsNegativeLogProbLoss",
+    "CurvatureBlock",
+    "CurvatureEstimator",
+    "DenseDiagonal",
+    "DenseFull",
+    "DenseTwoKroneckerFactored",
+    "Diagonal",
+    "DistributionNegativeLogProbLoss",
+    "ExplicitExactCurvature",
+    "ImplicitExactCurvature",
+    "Full",
+    "KroneckerFactored",
+    "LayerTag",
+    "LayerTagEqn",
+    "LossFunction",
+    "LossTag",
+    "MultiBernoulliNegativeLogProbLoss",
+    "NaiveDiagonal",
+    "NaiveFull",
+    "NegativeLogProbLoss",
+    "NormalMeanNegativeLogProbLoss",
+    "NormalMeanVarianceNegativeLogProbLoss",
+    "OneHotCategoricalLogitsNegativeLogProbLoss",
+    "Optimizer",
+    "ProcessedJaxpr",
+    "ScaledIdentity",
+    "TwoKroneckerFactored",
+    "WeightedMovingAverage",
+    "auto_register_tags",
+    "get_default_eigen_decomposition_threshold",
+    "get_default_tag_to_block_ctor",
+    "layer_tags_vjp",
+    "loss_tags_hvp",
+    "loss_tags_jvp",
+    "loss_tags_vjp",
+    "register_categorical_predictive_distribution",
+    "register_dense",
+    "register_generic",
+    "register_multi_bernoulli_predictive_distribution",
+    "register_normal_predictive_distribution",
+    "register_sigmoid_cross_entropy_loss",
+    "register_softmax_cross_entropy_loss",
+    "register_squared_error_loss",
+    "set_default_eigen_decomposition_threshold",
+    "set_default_tag_to_block_ctor",
+    "utils",
+]

@@ -96,7 +96,8 @@ def eval_equation(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
         in_vars.append(v)
         in_vals.append(x)
     out_vars = [v for v in eqn.outvars if not isinstance(v, DropVar)]
-    jaxpr = Jaxpr([], in_vars, out_vars, [eqn], eqn.effects)
+    info = jex_core.DebugInfo("curvax", eqn.primitive.name, tuple(f"x{i}" for i in range(len(in_vars))), tuple(f"y{i}" for i in range(len(out_vars))))
+    jaxpr = Jaxpr([], in_vars, out_vars, [eqn], eqn.effects, debug_info=info)
     outs = jex_core.jaxpr_as_fun(ClosedJaxpr(jaxpr, []))(*in_vals)
     it = iter(outs)
     return [None if isinstance(v, DropVar) else next(it) for v in eqn.outvars]

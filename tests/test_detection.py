@@ -27,9 +27,9 @@ def test_framework_mlp_registers_two_dense_layers_with_bias(framework):
     # Every parameter leaf belongs to exactly one layer.
     covered = sorted(i for s in pj.layer_sites for i in s.param_indices)
     assert covered == list(range(len(jax.tree_util.tree_leaves(params))))
-    # Canonical (features-last) shapes: (3 -> 5) then (5 -> 2).
-    assert [e.inputs[0].shape[-1] for e in pj.layer_tags] == [3, 5]
-    assert [e.outputs[0].shape[-1] for e in pj.layer_tags] == [5, 2]
+    # Canonical (features-last) shapes: 3 -> 5 and 5 -> 2 (order follows the parameter tree).
+    dims = sorted((e.inputs[0].shape[-1], e.outputs[0].shape[-1]) for e in pj.layer_tags)
+    assert dims == [(3, 5), (5, 2)]
 
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORK_MLPS))
@@ -49,10 +49,10 @@ def test_framework_mlp_layer_data_matches_autodiff(framework):
     for site, d in zip(pj.layer_sites, data):
         for i, g in zip(site.param_indices, d["params_tangent"]):
             np.testing.assert_allclose(g, want_leaves[i], rtol=1e-5, atol=1e-5)
-    # The last layer's output cotangent is the loss cotangent itself.
-    np.testing.assert_allclose(data[-1]["outputs_tangent"][0], cot, rtol=1e-6)
-    # First layer's input is the data.
-    np.testing.assert_allclose(data[0]["inputs"][0], batch[0], rtol=1e-6)
+    # The output layer's output cotangent is the loss cotangent itself; the input layer sees the data.
+    by_out = {d["outputs_tangent"][0].shape[-1]: d for d in data}
+    np.testing.assert_allclose(by_out[2]["outputs_tangent"][0], cot, rtol=1e-6)
+    np.testing.assert_allclose(by_out[5]["inputs"][0], batch[0], rtol=1e-6)
 
 
 def losses_output(loss_fn, params, batch):
