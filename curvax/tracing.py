@@ -27,9 +27,9 @@ from curvax import _compat, tags
 Key = int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Lit:
-    """A literal operand of an equation."""
+    """A literal operand of an equation (compared and hashed by identity: values may be arrays)."""
 
     value: Any
 
