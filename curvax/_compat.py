@@ -19,8 +19,9 @@ Jaxpr = jex_core.Jaxpr
 JaxprEqn = jex_core.JaxprEqn
 Literal = jex_core.Literal
 Var = jex_core.Var
-DropVar = jex_core.DropVar
 Primitive = jex_core.Primitive
+# jax.extend.core gained DropVar and DebugInfo after 0.9; recognise/build them by other means there.
+DebugInfo = getattr(jex_core, "DebugInfo", None)
 
 # Names under which JAX has spelled "call a closed sub-jaxpr" over its versions.
 CALL_PRIMITIVE_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "remat2"})
@@ -47,7 +48,7 @@ def is_literal(v: Any) -> bool:
 
 
 def is_dropvar(v: Any) -> bool:
-    return isinstance(v, DropVar)
+    return type(v).__name__ == "DropVar"
 
 
 def sub_closed_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
@@ -95,12 +96,19 @@ def eval_equation(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
             continue
         in_vars.append(v)
         in_vals.append(x)
-    out_vars = [v for v in eqn.outvars if not isinstance(v, DropVar)]
-    info = jex_core.DebugInfo("curvax", eqn.primitive.name, tuple(f"x{i}" for i in range(len(in_vars))), tuple(f"y{i}" for i in range(len(out_vars))))
+    out_vars = [v for v in eqn.outvars if not is_dropvar(v)]
+    names = lambda p, n: tuple(f"{p}{i}" for i in range(n))
+    if DebugInfo is not None:
+        info = DebugInfo("curvax", eqn.primitive.name, names("x", len(in_vars)), names("y", len(out_vars)))
+    else:  # JAX 0.9: take the (NamedTuple) debug info of a traced jaxpr as a template.
+        info = _DEBUG_TEMPLATE._replace(arg_names=names("x", len(in_vars)), result_paths=names("y", len(out_vars)))
     jaxpr = Jaxpr([], in_vars, out_vars, [eqn], eqn.effects, debug_info=info)
     outs = jex_core.jaxpr_as_fun(ClosedJaxpr(jaxpr, []))(*in_vals)
     it = iter(outs)
-    return [None if isinstance(v, DropVar) else next(it) for v in eqn.outvars]
+    return [None if is_dropvar(v) else next(it) for v in eqn.outvars]
+
+
+_DEBUG_TEMPLATE = None if DebugInfo is not None else jax.make_jaxpr(lambda: ())().jaxpr.debug_info
 
 
 def make_jaxpr(fun: Callable[..., Any], *args: Any) -> ClosedJaxpr:
