@@ -390,14 +390,23 @@ def auto_register_tags(
     compute_only_loss_tags: bool = True,
     patterns_to_skip: Sequence[str] = (),
     allow_multiple_registrations: bool = False,
-    **unused: Any,
+    graph_matcher_rules: Any = None,
+    graph_patterns: Any = None,
 ) -> Callable[..., Any]:
     """Returns ``func`` with a layer tag bound at every detected layer.
 
     The returned function computes the same outputs as ``func``; tracing it
     shows the tags (``jax.make_jaxpr``). Its ``processed_jaxpr`` attribute holds
-    the detection result.
+    the detection result. ``compute_only_loss_tags`` is accepted for
+    compatibility: the returned function always computes ``func``'s outputs.
     """
+    if graph_patterns is not None or graph_matcher_rules is not None:
+        raise NotImplementedError(
+            "Custom `graph_patterns`/`graph_matcher_rules` are not implemented in curvax yet (planned); "
+            "register such layers by hand with curvax.register_* inside the model instead."
+        )
+    if allow_multiple_registrations:
+        raise NotImplementedError("allow_multiple_registrations=True is not implemented in curvax yet (planned).")
     pj = ProcessedJaxpr(
         func, func_args, params_index, register_only_generic=register_only_generic, patterns_to_skip=patterns_to_skip
     )

@@ -109,6 +109,26 @@ def test_adaptive_learning_rate_and_momentum_minimise_the_exact_quadratic_model(
             params = new_params
 
 
+@pytest.mark.parametrize("adaptive", [(True, True), (True, False), (False, True)])
+def test_coefficients_solve_the_dense_two_by_two_model(adaptive):
+    """The learning rate and momentum minimise 1/2 w^T (A + (l2 + damping) D) w + b^T w."""
+    lr_ad, mom_ad = adaptive
+    opt = make_opt(use_adaptive_learning_rate=lr_ad, use_adaptive_momentum=mom_ad)
+    rng = np.random.default_rng(0)
+    m = rng.normal(size=(2, 2))
+    a, d = m @ m.T + 0.1 * np.eye(2), np.array([[2.0, 0.3], [0.3, 1.0]])
+    b = rng.normal(size=2)
+    damping, lr, mom = 0.7, 0.05, 0.9
+    w = np.asarray(opt._solve_coefficients((jnp.asarray(a), jnp.asarray(d), jnp.asarray(b)), damping, lr, mom))
+    ad = a + (L2 + damping) * d
+    if lr_ad and mom_ad:
+        np.testing.assert_allclose(w, -np.linalg.solve(ad, b), rtol=1e-4)
+    elif lr_ad:  # momentum fixed: minimise over w0 only
+        np.testing.assert_allclose(w, [-(b[0] + ad[0, 1] * mom) / ad[0, 0], mom], rtol=1e-4)
+    else:  # learning rate fixed: w0 = -lr
+        np.testing.assert_allclose(w, [-lr, -(b[1] - ad[0, 1] * lr) / ad[1, 1]], rtol=1e-4)
+
+
 def test_damping_follows_the_levenberg_marquardt_rule():
     params = init_mlp(KEY)
     batch = classification_batch(jax.random.PRNGKey(2))
