@@ -71,3 +71,15 @@ def make_kfac(adaptive: bool = True, initial_damping: float = 10.0, **kwargs: An
         )
     settings.update(kwargs)
     return curvax.Optimizer(**settings)
+
+
+def entropy_floor(images: np.ndarray | jax.Array) -> float:
+    """The lowest possible data loss: the pixels' binary entropy, summed over pixels, batch mean.
+
+    Sigmoid cross-entropy against soft targets ``x`` is minimised by predicting
+    ``x`` itself, where it equals ``-x log x - (1 - x) log(1 - x)``.
+    """
+    x = np.asarray(images, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -(np.where(x > 0, x * np.log(x), 0.0) + np.where(x < 1, (1 - x) * np.log1p(-x), 0.0))
+    return float(h.sum(axis=-1).mean())

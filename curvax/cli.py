@@ -1,38 +1,69 @@
-"""The ``curvax`` command line: ``curvax demo``."""
+"""The ``curvax`` command line (``curvax demo``)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Sequence
 
+from curvax.datasets import NUM_EXAMPLES
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _num_images(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= NUM_EXAMPLES:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {NUM_EXAMPLES}, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for ``curvax`` and its subcommands."""
     parser = argparse.ArgumentParser(prog="curvax", description="curvax: K-FAC and curvature tools for JAX.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train the MNIST autoencoder with curvax K-FAC and with Adam, and compare")
-    demo.add_argument("--num-images", type=int, default=2000, help="full-batch size (1..10000, default 2000)")
-    demo.add_argument("--steps", type=int, default=1000, help="maximum K-FAC steps (default 1000)")
-    demo.add_argument("--adam-steps", type=int, default=5000, help="maximum Adam steps (default 5000)")
-    demo.add_argument("--time-budget", type=float, default=55.0, help="seconds per optimizer, compile included (default 55)")
-    demo.add_argument("--adam-lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
-    demo.add_argument("--initial-damping", type=float, default=10.0, help="K-FAC initial damping (default 10)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--output", default="curvax_demo.png", help="where to write the loss-vs-time plot")
-    demo.add_argument("--quiet", action="store_true", help="no progress bars or registration table")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo",
+        help="train the MNIST autoencoder with curvax K-FAC and with Adam, and compare",
+        description="Trains the deep MNIST autoencoder (784-1000-500-250-30-250-500-1000-784) full batch with "
+        "curvax K-FAC (adaptive learning rate, momentum and damping) and with Optax Adam, prints a results "
+        "table and writes a loss-vs-time plot. Defaults take about 2 minutes on 2 CPU cores.",
+    )
+    demo.add_argument("--num-images", type=_num_images, default=1000,
+                      help=f"full-batch size, real MNIST test images (1..{NUM_EXAMPLES}, default 1000)")
+    demo.add_argument("--steps", type=_positive_int, default=1000, help="maximum K-FAC steps (default 1000)")
+    demo.add_argument("--adam-steps", type=_positive_int, default=10000, help="maximum Adam steps (default 10000)")
+    demo.add_argument("--time-budget", type=_positive_float, default=55.0,
+                      help="wall-clock seconds per optimizer, compilation included (default 55)")
+    demo.add_argument("--adam-lr", type=_positive_float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    demo.add_argument("--initial-damping", type=_positive_float, default=1.0,
+                      help="K-FAC initial damping (default 1.0)")
+    demo.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    demo.add_argument("--output", default="curvax_demo.png",
+                      help="where to write the loss-vs-time plot (default curvax_demo.png)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars or layer-registration table")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``curvax`` console script."""
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        if not 1 <= args.num_images <= 10_000:
-            raise SystemExit("curvax demo: --num-images must be between 1 and 10000.")
-        if args.steps < 1 or args.adam_steps < 1 or args.time_budget <= 0:
-            raise SystemExit("curvax demo: --steps and --adam-steps must be >= 1 and --time-budget > 0.")
         from curvax import demo
 
         return demo.main(args)
-    return 2  # pragma: no cover
+    return 2  # pragma: no cover - argparse rejects unknown commands
 
 
 if __name__ == "__main__":  # pragma: no cover
