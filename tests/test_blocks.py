@@ -12,10 +12,7 @@ import pytest
 from curvax import blocks, linalg, tags, utils
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 # ----------------------------------------------------------------------------------

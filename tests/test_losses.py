@@ -23,11 +23,7 @@ Array = jax.Array
 WEIGHT = 1.7
 
 
-@pytest.fixture(autouse=True)
-def x64() -> Iterator[None]:
-    """Every test runs in float64, without leaking the setting to other test files."""
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 # ----------------------------------------------------------------------------------

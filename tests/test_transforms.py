@@ -13,10 +13,7 @@ import curvax
 KEY = jax.random.PRNGKey(0)
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 def model(p, x):
