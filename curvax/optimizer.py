@@ -17,7 +17,6 @@ One step, compiled once (periodic work is ``lax.cond`` inside it):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import warnings

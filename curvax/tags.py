@@ -9,10 +9,9 @@ cross-entropy" or "this is a dense layer with output y, input x, weights w, b".
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from curvax import _compat
 

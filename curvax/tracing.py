@@ -18,9 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 from curvax import _compat, tags
 

@@ -221,10 +221,6 @@ class _Cache:
         return pj
 
 
-def _params_of(pj: ProcessedJaxpr, func_args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    return pj.split_args(func_args)
-
-
 def loss_tags_vjp(func: Callable[..., Any], params_index: int = 0) -> Callable[..., Any]:
     """``f(func_args) -> (losses, vjp)``; ``vjp(cotangents)`` gives parameter cotangents.
 

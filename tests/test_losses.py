@@ -8,7 +8,7 @@ with the tag they leave in a jaxpr and the errors they raise.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
