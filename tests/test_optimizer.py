@@ -276,3 +276,18 @@ def test_bad_input_gets_clear_errors():
         make_opt().init(int_params, KEY, batch)
     with pytest.raises(AttributeError, match="after construction"):
         opt.some_setting = 3
+
+
+def test_debug_mode_runs_eagerly_and_matches_the_compiled_step():
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(9))
+    outs = []
+    for debug in (False, True):
+        opt = make_opt(debug=debug, use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+        state = opt.init(params, KEY, batch)
+        p, state, stats = opt.step(params, state, KEY, batch=batch, damping=1.0)
+        p, state, stats = opt.step(p, state, jax.random.PRNGKey(1), batch=batch, damping=1.0)
+        outs.append((p, float(stats["loss"])))
+        assert opt.trace_count == (2 if debug else 1)  # eager: the step body runs each call
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-5), outs[0][0], outs[1][0])
+    np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-5)
