@@ -11,7 +11,7 @@ kfac_jax`` runs kfac-jax code. Modules, in dependency order:
 * ``optimizer``              -- the K-FAC optimizer.
 """
 
-from curvax import utils
+from curvax import layers, utils  # importing `layers` registers every layer kind
 from curvax.blocks import (
     CurvatureBlock,
     DenseDiagonal,

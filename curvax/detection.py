@@ -6,7 +6,10 @@ a small matcher over the flat ``Program``; each returns ``LayerSite``s. Every
 parameter that ends up in no layer gets a ``generic`` site of its own, so each
 parameter has exactly one curvature block.
 
-Adding a layer type means adding one matcher here (and a block for its tag).
+Adding a layer type means writing one matcher and registering it with
+``register_layer_matcher`` (and a block for its tag with
+``blocks.set_default_tag_to_block_ctor``); the modules in ``curvax/layers/``
+do exactly that, one module per layer kind.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ class Detection:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Match:
+class Match:
+    """One layer found by a matcher: the equations (``nodes``) it claims."""
+
     tag: tags.LayerTag
     output: Key
     inputs: tuple[Any, ...]
@@ -44,11 +49,13 @@ class _Match:
     nodes: frozenset[int]
 
 
-Matcher = Callable[[Program, int, "_Context"], "_Match | None"]
+Matcher = Callable[[Program, int, "Context"], "Match | None"]
 
 
 @dataclasses.dataclass
-class _Context:
+class Context:
+    """What a matcher may look at besides the program: live nodes, claimable parameters."""
+
     live: frozenset[int]
     matchable_params: set[Key]
 
@@ -56,7 +63,7 @@ class _Context:
         return [i for i in program.consumers.get(key, []) if i in self.live]
 
 
-def _bias_source(program: Program, ctx: _Context, atom: Any) -> tuple[Key, list[int]] | None:
+def bias_source(program: Program, ctx: Context, atom: Any) -> tuple[Key, list[int]] | None:
     """Follows broadcast/reshape/cast equations back from ``atom`` to a parameter."""
     chain: list[int] = []
     while not isinstance(atom, Lit):
@@ -73,7 +80,7 @@ def _bias_source(program: Program, ctx: _Context, atom: Any) -> tuple[Key, list[
     return None
 
 
-def _bias_maps_to_feature_axis(program: Program, chain: Sequence[int], bias_key: Key, out_shape: tuple, axis: int) -> bool:
+def bias_maps_to_feature_axis(program: Program, chain: Sequence[int], bias_key: Key, out_shape: tuple, axis: int) -> bool:
     """Checks numerically that the plumbing places ``b[j]`` at index j of ``axis``."""
     d = program.avals[bias_key].shape
     if len(d) != 1 or d[0] != out_shape[axis]:
@@ -95,7 +102,7 @@ def _bias_maps_to_feature_axis(program: Program, chain: Sequence[int], bias_key:
     return bool(np.array_equal(got, want))
 
 
-def match_dense(program: Program, idx: int, ctx: _Context) -> _Match | None:
+def match_dense(program: Program, idx: int, ctx: Context) -> Match | None:
     """``y = x @ W (+ b)`` as a ``dot_general`` with a 2-D parameter operand.
 
     Works for either kernel layout (``(d_in, d_out)`` or ``(d_out, d_in)``) and
@@ -147,24 +154,85 @@ def match_dense(program: Program, idx: int, ctx: _Context) -> _Match | None:
     if len(users) == 1 and program.nodes[users[0]].primitive.name in _ADD_OPS:
         add = program.nodes[users[0]]
         other = add.inputs[1] if add.inputs[0] == y else add.inputs[0]
-        found = _bias_source(program, ctx, other)
+        found = bias_source(program, ctx, other)
         add_out = add.outputs[0]
         if (
             found is not None
             and found[0] != w
             and tuple(program.avals[add_out].shape) == out_shape
-            and _bias_maps_to_feature_axis(program, found[1], found[0], out_shape, out_axis)
+            and bias_maps_to_feature_axis(program, found[1], found[0], out_shape, out_axis)
         ):
             params = (w, found[0])
             output = add_out
             nodes |= {users[0], *found[1]}
             pattern = "dense_with_bias"
-    return _Match(tags.dense, output, (x,), params, meta, pattern, frozenset(nodes))
+    return Match(tags.dense, output, (x,), params, meta, pattern, frozenset(nodes))
 
 
-# Matchers in order of precedence. Each tries to claim the equation at an index.
-DEFAULT_MATCHERS: tuple[tuple[str, Matcher], ...] = (("dense", match_dense),)
-PATTERN_NAMES = ("dense_with_bias", "dense_no_bias")
+@dataclasses.dataclass(frozen=True)
+class LayerMatcher:
+    """A registered layer kind: its matcher and the pattern names it can report.
+
+    Matchers are tried in decreasing ``precedence`` (then registration order)
+    on every live equation, last equation first; the first match wins.
+    """
+
+    name: str
+    fn: Matcher
+    pattern_names: tuple[str, ...]
+    precedence: int = 0
+
+
+_MATCHERS: dict[str, LayerMatcher] = {}
+_MANUAL_META_DEFAULTS: dict[str, dict[str, Any]] = {}
+
+
+def register_layer_matcher(
+    name: str, fn: Matcher, pattern_names: Sequence[str], precedence: int = 0, manual_meta_defaults: dict | None = None
+) -> LayerMatcher:
+    """Adds (or replaces) the matcher for the layer kind ``name``.
+
+    ``manual_meta_defaults`` fills in meta keys for tags of this name bound by
+    hand (``register_*``) that the block needs but the user did not pass.
+    """
+    if not callable(fn):
+        raise TypeError(f"register_layer_matcher: `fn` must be callable, got {type(fn).__name__}.")
+    lm = LayerMatcher(name, fn, tuple(pattern_names), int(precedence))
+    _MATCHERS[name] = lm
+    if manual_meta_defaults:
+        _MANUAL_META_DEFAULTS[name] = dict(manual_meta_defaults)
+    return lm
+
+
+def registered_matchers() -> tuple[LayerMatcher, ...]:
+    """The registered layer kinds, in the order they are tried."""
+    order = {n: i for i, n in enumerate(_MATCHERS)}
+    return tuple(sorted(_MATCHERS.values(), key=lambda m: (-m.precedence, order[m.name])))
+
+
+def known_pattern_names() -> tuple[str, ...]:
+    """Every name accepted by ``patterns_to_skip`` (layer kinds and their patterns)."""
+    out: list[str] = []
+    for m in registered_matchers():
+        out += [m.name, *m.pattern_names]
+    return tuple(dict.fromkeys(out))
+
+
+register_layer_matcher(
+    "dense",
+    match_dense,
+    ("dense_with_bias", "dense_no_bias"),
+    manual_meta_defaults={"kernel_layout": "io", "input_feature_axis": -1, "output_feature_axis": -1},
+)
+
+
+def __getattr__(name: str) -> Any:
+    # Read-only views kept for backwards compatibility.
+    if name == "DEFAULT_MATCHERS":
+        return tuple((m.name, m.fn) for m in registered_matchers())
+    if name == "PATTERN_NAMES":
+        return tuple(p for m in registered_matchers() for p in m.pattern_names)
+    raise AttributeError(name)
 
 
 def detect_layers(
@@ -173,21 +241,26 @@ def detect_layers(
     num_params: int,
     register_only_generic: bool = False,
     patterns_to_skip: Sequence[str] = (),
+    matchers: Sequence[LayerMatcher] | None = None,
 ) -> Detection:
     """Finds every layer among the live nodes of ``program``.
 
     Manual tags win; patterns then claim single-use parameters; each remaining
     parameter gets a generic site. Parameters used several times (weight
     sharing) are left to the generic block and reported in ``notes``.
+    ``matchers`` replaces the registered layer kinds (tried in the given order).
     """
-    unknown = set(patterns_to_skip) - set(PATTERN_NAMES) - {"dense"}
+    matchers = registered_matchers() if matchers is None else tuple(matchers)
+    known = list(dict.fromkeys([*known_pattern_names(), *(n for m in matchers for n in (m.name, *m.pattern_names))]))
+    unknown = set(patterns_to_skip) - set(known)
     if unknown:
-        raise ValueError(f"patterns_to_skip: unknown pattern names {sorted(unknown)}; known: {list(PATTERN_NAMES)}.")
+        raise ValueError(f"patterns_to_skip: unknown pattern names {sorted(unknown)}; known: {known}.")
+    skip = set(patterns_to_skip)
     param_keys = [program.input_keys[i] for i in range(num_params)]
     index_of = {k: i for i, k in enumerate(param_keys)}
     live_set = frozenset(live)
     notes: list[str] = []
-    matches: list[_Match] = []
+    matches: list[Match] = []
     claimed: set[Key] = set()
 
     # 1. Manual registrations.
@@ -207,12 +280,8 @@ def detect_layers(
             if p in claimed:
                 raise ValueError(f"Parameter {index_of[p]} is registered in more than one layer tag.")
             claimed.add(p)
-        meta = dict(node.params)
-        if prim.name == "dense":
-            meta.setdefault("kernel_layout", "io")
-            meta.setdefault("input_feature_axis", -1)
-            meta.setdefault("output_feature_axis", -1)
-        matches.append(_Match(prim, node.outputs[0], tuple(ins), tuple(ps), meta, "manual", frozenset({i})))
+        meta = {**_MANUAL_META_DEFAULTS.get(prim.name, {}), **dict(node.params)}
+        matches.append(Match(prim, node.outputs[0], tuple(ins), tuple(ps), meta, "manual", frozenset({i})))
 
     # 2. Patterns, on parameters used exactly once and not tagged by hand.
     use_count: dict[Key, int] = {}
@@ -224,15 +293,17 @@ def detect_layers(
         if c > 1 and k not in claimed:
             notes.append(f"parameter {index_of[k]} is used {c} times (weight sharing); it gets a generic block")
     matchable = {k for k in param_keys if use_count.get(k, 0) == 1 and k not in claimed}
-    ctx = _Context(live_set, matchable)
+    ctx = Context(live_set, matchable)
     if not register_only_generic:
         taken: set[int] = set()
         for i in reversed(live):
             if i in taken:
                 continue
-            for _, matcher in DEFAULT_MATCHERS:
-                m = matcher(program, i, ctx)
-                if m is None or m.pattern in patterns_to_skip or "dense" in patterns_to_skip:
+            for lm in matchers:
+                if lm.name in skip:
+                    continue
+                m = lm.fn(program, i, ctx)
+                if m is None or m.pattern in skip:
                     continue
                 if any(p in claimed for p in m.params) or m.nodes & taken:
                     continue
@@ -245,7 +316,7 @@ def detect_layers(
     # 3. Everything else is generic.
     for k in param_keys:
         if k not in claimed:
-            matches.append(_Match(tags.generic, k, (), (k,), {}, "generic", frozenset()))
+            matches.append(Match(tags.generic, k, (), (k,), {}, "generic", frozenset()))
 
     matches.sort(key=lambda m: min(index_of[p] for p in m.params))
     sites = []

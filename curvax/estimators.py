@@ -112,6 +112,14 @@ def exact_cotangent_fn(losses: Sequence[Any], mode: str) -> tuple[int, Callable[
     return total, cot
 
 
+def _lookup_tag(table: Mapping[str, Any], tag_name: str) -> Any:
+    """``table[tag_name]``, also accepting kfac-jax's ``"<name>_tag"`` spelling either way round."""
+    for key in (tag_name, f"{tag_name}_tag", tag_name.removesuffix("_tag")):
+        if key in table:
+            return table[key]
+    return None
+
+
 class CurvatureEstimator(abc.ABC):
     """Something that estimates a curvature matrix of ``func`` and multiplies with it."""
 
@@ -202,7 +210,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         for site, eqn in zip(pj.layer_sites, pj.layer_tags):
             ctor = self._index_to_block_ctor.get(site.param_indices)
             if ctor is None:
-                ctor = self._layer_tag_to_block_ctor.get(site.tag.name)
+                ctor = _lookup_tag(self._layer_tag_to_block_ctor, site.tag.name)
             if ctor is None:
                 ctor = blocks_lib.get_default_tag_to_block_ctor(site.tag.name)
             blocks.append(ctor(eqn, site.name))

@@ -140,9 +140,6 @@ class Optimizer:
             raise ValueError("`damping_lower_threshold` must not exceed `damping_upper_threshold`.")
         estimators.check_estimation_mode(estimation_mode)
         auto_kwargs = dict(auto_register_kwargs or {})
-        if auto_kwargs.get("graph_patterns") is not None:
-            raise NotImplementedError("auto_register_kwargs['graph_patterns'] " + _FEATURE_LATER + ".")
-        auto_kwargs.pop("graph_patterns", None)
 
         self._value_and_grad_func = value_and_grad_func
         self._l2_reg = float(l2_reg)

@@ -53,6 +53,7 @@ class ProcessedJaxpr:
         register_only_generic: bool = False,
         patterns_to_skip: Sequence[str] = (),
         allow_no_losses: bool = False,
+        graph_patterns: Sequence[Any] | None = None,
         **unused_kwargs: Any,
     ):
         func_args = tuple(func_args)
@@ -84,9 +85,14 @@ class ProcessedJaxpr:
         loss_roots = [a for s in self.loss_sites for a in s.operands]
         self.loss_nodes = self.program.live_nodes(loss_roots)
         self.all_nodes = self.program.live_nodes(loss_roots + list(self.program.output_atoms))
+        matchers = None
+        if graph_patterns is not None:
+            from curvax import patterns  # the extension API (GraphPattern) builds on detection
+
+            matchers = patterns.layer_matchers(graph_patterns)
         if auto_register_tags:
             det = detection.detect_layers(
-                self.program, self.loss_nodes, self.num_params, register_only_generic, patterns_to_skip
+                self.program, self.loss_nodes, self.num_params, register_only_generic, patterns_to_skip, matchers
             )
         else:
             det = detection.detect_layers(self.program, self.loss_nodes, self.num_params, True, ())
@@ -396,15 +402,20 @@ def auto_register_tags(
     the detection result. ``compute_only_loss_tags`` is accepted for
     compatibility: the returned function always computes ``func``'s outputs.
     """
-    if graph_patterns is not None or graph_matcher_rules is not None:
+    if graph_matcher_rules is not None:
         raise NotImplementedError(
-            "Custom `graph_patterns`/`graph_matcher_rules` are not implemented in curvax yet (planned); "
-            "register such layers by hand with curvax.register_* inside the model instead."
+            "Custom `graph_matcher_rules` are not supported by curvax: its pattern matcher compares "
+            "primitives by name and parameters. Pass `graph_patterns` instead."
         )
     if allow_multiple_registrations:
         raise NotImplementedError("allow_multiple_registrations=True is not implemented in curvax yet (planned).")
     pj = ProcessedJaxpr(
-        func, func_args, params_index, register_only_generic=register_only_generic, patterns_to_skip=patterns_to_skip
+        func,
+        func_args,
+        params_index,
+        register_only_generic=register_only_generic,
+        patterns_to_skip=patterns_to_skip,
+        graph_patterns=graph_patterns,
     )
 
     def tagged(*args: Any) -> Any:
