@@ -313,10 +313,11 @@ def detect_layers(
                 ctx.matchable_params.difference_update(m.params)
                 break
 
-    # 3. Everything else is generic.
+    # 3. Everything else is generic, with the reason recorded for the report.
     for k in param_keys:
         if k not in claimed:
-            matches.append(Match(tags.generic, k, (), (k,), {}, "generic", frozenset()))
+            reason = _fallback_reason(program, live_set, k, use_count.get(k, 0), register_only_generic)
+            matches.append(Match(tags.generic, k, (), (k,), {"fallback_reason": reason}, "generic", frozenset()))
 
     matches.sort(key=lambda m: min(index_of[p] for p in m.params))
     sites = []
@@ -338,6 +339,27 @@ def detect_layers(
             )
         )
     return Detection(tuple(sites), tuple(notes))
+
+
+_CONTROL_FLOW = {"scan": "lax.scan", "while": "lax.while_loop", "cond": "lax.cond"}
+
+
+def _fallback_reason(program: Program, live: frozenset[int], key: Key, uses: int, only_generic: bool) -> str:
+    """Why a parameter ended up in a generic block, in words for the registration report."""
+    if only_generic:
+        return "register_only_generic=True"
+    if uses == 0:
+        return "not used by the registered losses"
+    if uses > 1:
+        return f"used {uses} times (weight sharing)"
+    for i in program.consumers.get(key, []):
+        name = program.nodes[i].primitive.name
+        if i in live and name in _CONTROL_FLOW:
+            return (
+                f"used inside {_CONTROL_FLOW[name]}, where layers are not detected "
+                "(a Python loop instead gives each layer its own block)"
+            )
+    return "no known layer pattern uses it"
 
 
 def site_to_tag_eqn(program: Program, site: LayerSite) -> tags.LayerTagEqn:

@@ -193,8 +193,15 @@ class ProcessedJaxpr:
             block = f" -> {block_names[j]}" if block_names else ""
             flag = ""
             if site.pattern == "generic":
-                flag = "  [generic fallback: register it with curvax.register_* if it belongs to a layer]"
+                why = site.meta.get("fallback_reason", "no known layer pattern uses it")
+                flag = f"  [generic fallback: {why}]"
             lines.append(f"  {names:<40s} {site.name}{block}{flag}")
+        if any(s.pattern == "generic" for s in self.layer_sites):
+            lines.append(
+                "  hint: a generic block is a diagonal approximation. If a fallback parameter belongs to a layer, "
+                "register it inside the model with curvax.register_dense / register_conv2d / register_scale_and_shift, "
+                "or describe the layer with a curvax.GraphPattern (auto_register_kwargs=dict(graph_patterns=...))."
+            )
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)

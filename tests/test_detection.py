@@ -144,3 +144,43 @@ def test_auto_register_tags_binds_tags_and_keeps_values():
     jaxpr = jax.make_jaxpr(tagged)(params, batch)
     assert sum(e.primitive.name == "dense" for e in jaxpr.jaxpr.eqns) == 2
     np.testing.assert_allclose(tagged(params, batch), loss_fn(params, batch), rtol=1e-6)
+
+
+def test_generic_fallbacks_are_explained_in_the_report():
+    """Every fallback parameter says why it is generic; control flow does not crash detection."""
+
+    def loss(p, batch):
+        x, t = batch
+        h = jnp.tanh(x @ p["w1"] + p["b1"])
+        h = h @ p["tied"] @ p["tied"]  # one parameter, two uses
+
+        def body(c, w):
+            return jnp.tanh(c @ w), None
+
+        h, _ = jax.lax.scan(body, h, p["stack"])
+        h = jax.lax.cond(jnp.sum(h) > 0, lambda v: v * p["gate"], lambda v: v, h)
+        out = h @ p["w2"]
+        curvax.register_squared_error_loss(out, t)
+        return jnp.mean((out - t) ** 2)
+
+    params = {
+        "b1": jnp.zeros(4), "gate": jnp.ones(4), "stack": jnp.ones((2, 4, 4)) * 0.1,
+        "tied": jnp.eye(4), "unused": jnp.ones(3), "w1": jnp.ones((3, 4)), "w2": jnp.ones((4, 2)),
+    }
+    args = (params, (jnp.ones((5, 3)), jnp.ones((5, 2))))
+    pj = transforms.ProcessedJaxpr(_value_func(loss), args)
+    by_param = {s.param_indices: s for s in pj.layer_sites}
+    paths = sorted(params)  # dict leaves flatten in sorted key order
+    idx = {k: (paths.index(k),) for k in paths}
+    assert by_param[(paths.index("w1"), paths.index("b1"))].pattern == "dense_with_bias"
+    assert by_param[idx["w2"]].pattern == "dense_no_bias"
+    reasons = {k: by_param[idx[k]].meta["fallback_reason"] for k in ("gate", "stack", "tied", "unused")}
+    assert "lax.cond" in reasons["gate"]
+    assert "lax.scan" in reasons["stack"]
+    assert "2 times" in reasons["tied"]
+    assert "not used" in reasons["unused"]
+    table = pj.registration_table(params)
+    for k, why in reasons.items():
+        line = next(line for line in table.splitlines() if line.strip().startswith(k))
+        assert why in line
+    assert "hint:" in table
