@@ -66,6 +66,7 @@ from curvax.transforms import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "layers",
     "BlockDiagonalCurvature",
     "CategoricalLogitsNegativeLogProbLoss",
     "CurvatureBlock",

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from curvax import tags
-from curvax.tracing import Key, LayerSite, Lit, Program
+from curvax.tracing import Key, LayerSite, LayerUse, Lit, Program
 
 # Ops that only broadcast/reshape/cast a bias vector on its way to the add.
 _BIAS_PLUMBING = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "expand_dims", "squeeze", "copy"})
@@ -47,6 +47,7 @@ class Match:
     meta: dict
     pattern: str
     nodes: frozenset[int]
+    extra_uses: tuple[LayerUse, ...] = ()
 
 
 Matcher = Callable[[Program, int, "Context"], "Match | None"]
@@ -235,6 +236,42 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
+def _match_tied_dense(
+    program: Program, ctx: Context, w: Key, shared: set[Key], use_count: dict[Key, int]
+) -> tuple[Match, int] | None:
+    """One ``Match`` for a weight used by several ``dot_general``s, each a dense layer.
+
+    Every use must match the same parameters (the weight, and the same bias or
+    none), with the same kernel layout, and a bias must be used by these
+    products only. Uses become ``extra`` entries in the match's meta.
+    """
+    users = ctx.consumers(program, w)
+    if len(users) != use_count[w]:
+        return None
+    trial = Context(ctx.live, set(ctx.matchable_params) | shared)
+    found = []
+    for i in users:
+        m = match_dense(program, i, trial)
+        if m is None or m.params[0] != w:
+            return None
+        found.append(m)
+    first = found[0]
+    if any(m.params != first.params or m.meta["kernel_layout"] != first.meta["kernel_layout"] for m in found):
+        return None
+    if len(first.params) == 2 and use_count.get(first.params[1], 0) != len(found):
+        return None
+    # Uses may feed each other (``h @ w @ w``): each use's output tangent already carries
+    # the later uses. They must share a batch (leading) size to pool as positions.
+    leading = {program.avals[m.inputs[0]].shape[0] if program.avals[m.inputs[0]].shape else None for m in found}
+    if len(leading) != 1 or None in leading:
+        return None
+    found.sort(key=lambda m: min(m.nodes))
+    extra = tuple(LayerUse(m.output, m.inputs, m.meta) for m in found[1:])
+    nodes = frozenset().union(*(m.nodes for m in found))
+    pattern = first.pattern
+    return Match(first.tag, found[0].output, found[0].inputs, first.params, {**found[0].meta}, pattern, nodes, extra), len(found)
+
+
 def detect_layers(
     program: Program,
     live: Sequence[int],
@@ -294,8 +331,23 @@ def detect_layers(
             notes.append(f"parameter {index_of[k]} is used {c} times (weight sharing); it gets a generic block")
     matchable = {k for k in param_keys if use_count.get(k, 0) == 1 and k not in claimed}
     ctx = Context(live_set, matchable)
+    taken: set[int] = set()
+    if not register_only_generic and "dense" not in skip:
+        # Tied weights: one parameter applied by several dense products becomes one layer.
+        shared = {k for k, c in use_count.items() if c > 1 and k not in claimed}
+        for k in sorted(shared, key=lambda key: index_of[key]):
+            tied = _match_tied_dense(program, ctx, k, shared, use_count)
+            if tied is None or tied[0].nodes & taken or any(p in claimed for p in tied[0].params):
+                continue
+            matches.append(tied[0])
+            taken |= tied[0].nodes
+            claimed.update(tied[0].params)
+            notes[:] = [n for n in notes if not any(n.startswith(f"parameter {index_of[p]} ") for p in tied[0].params)]
+            notes.append(
+                f"parameters {[index_of[p] for p in tied[0].params]} are tied across {tied[1]} dense products; "
+                "their uses are pooled into one Kronecker-factored layer"
+            )
     if not register_only_generic:
-        taken: set[int] = set()
         for i in reversed(live):
             if i in taken:
                 continue
@@ -336,6 +388,7 @@ def detect_layers(
                 meta=m.meta,
                 name=f"{kind}[{label}({n})]",
                 pattern=m.pattern,
+                extra_uses=m.extra_uses,
             )
         )
     return Detection(tuple(sites), tuple(notes))
@@ -379,11 +432,21 @@ def site_to_tag_eqn(program: Program, site: LayerSite) -> tags.LayerTagEqn:
         shape.append(shape.pop(axis))
         return jax.ShapeDtypeStruct(tuple(shape), s.dtype)
 
+    def pooled(structs: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
+        if len(structs) == 1:
+            return structs[0]
+        rows = sum(int(np.prod(s.shape[1:-1], dtype=int)) for s in structs)
+        return jax.ShapeDtypeStruct((structs[0].shape[0], rows, structs[0].shape[-1]), structs[0].dtype)
+
     params = tuple(struct(program.input_keys[i]) for i in site.param_indices)
-    out_axis = site.meta.get("output_feature_axis")
-    in_axis = site.meta.get("input_feature_axis")
-    outputs = () if site.tag is tags.generic else (moved(struct(site.output), out_axis),)
-    inputs = tuple(moved(struct(a), in_axis) for a in site.inputs)
+    uses = site.uses
+    outputs = ()
+    if site.tag is not tags.generic:
+        outputs = (pooled([moved(struct(u.output), u.meta.get("output_feature_axis")) for u in uses]),)
+    inputs = tuple(
+        pooled([moved(struct(u.inputs[k]), u.meta.get("input_feature_axis")) for u in uses])
+        for k in range(len(site.inputs))
+    )
     return tags.LayerTagEqn(
         primitive=site.tag,
         outputs=outputs,

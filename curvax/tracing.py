@@ -194,6 +194,8 @@ class LayerSite:
     inputs, ``param_indices`` positions in the flat parameter leaves. ``meta``
     says how to bring inputs/outputs to the canonical layout the blocks expect
     (features last): ``input_feature_axis`` and ``output_feature_axis``.
+    ``extra_uses`` lists further applications of the same parameters (tied
+    weights); their statistics are pooled like extra positions.
     """
 
     tag: tags.LayerTag
@@ -203,6 +205,21 @@ class LayerSite:
     meta: Mapping[str, Any]
     name: str
     pattern: str
+    extra_uses: tuple["LayerUse", ...] = ()
+
+    @property
+    def uses(self) -> tuple["LayerUse", ...]:
+        """Every application of the layer's parameters: one, or several for tied weights."""
+        return (LayerUse(self.output, self.inputs, self.meta),) + tuple(self.extra_uses)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerUse:
+    """One application of a layer: where its output is, its inputs, its layout meta."""
+
+    output: Key
+    inputs: tuple[Atom, ...]
+    meta: Mapping[str, Any]
 
 
 def find_loss_sites(program: Program) -> list[LossSite]:

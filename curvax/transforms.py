@@ -12,6 +12,8 @@ public transformations (``jax.vjp``, ``jax.jvp``, ``jax.linearize``):
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Any, Callable, Sequence
 
@@ -150,14 +152,16 @@ class ProcessedJaxpr:
         sites = self.perturbable_sites()
         transform = {}
         if perturbations is not None:
-            for i, eps in zip(sites, perturbations):
-                transform[self.layer_sites[i].output] = lambda v, e=eps: v + e
+            for i, eps_uses in zip(sites, perturbations):
+                for use, eps in zip(self.layer_sites[i].uses, eps_uses):
+                    transform[use.output] = lambda v, e=eps: v + e
         wanted: list[Any] = []
         for s in self.loss_sites:
             wanted.extend(s.operands)
         for s in self.layer_sites:
-            wanted.extend(s.inputs)
-            wanted.append(s.output)
+            for use in s.uses:
+                wanted.extend(use.inputs)
+                wanted.append(use.output)
         if with_outputs:
             wanted.extend(self.program.output_atoms)
         nodes = self.all_nodes if with_outputs else self.loss_nodes
@@ -166,8 +170,11 @@ class ProcessedJaxpr:
         operands = tuple(tuple(next(it) for _ in s.operands) for s in self.loss_sites)
         layer_data = []
         for s in self.layer_sites:
-            xs = tuple(next(it) for _ in s.inputs)
-            layer_data.append((xs, next(it)))
+            per_use = []
+            for use in s.uses:
+                xs = tuple(next(it) for _ in use.inputs)
+                per_use.append((xs, next(it)))
+            layer_data.append(tuple(per_use))
         outputs = tuple(it) if with_outputs else ()
         dependants = tuple(
             tuple(v for v, n in zip(ops, s.args_names) if n in s.tag.parameter_dependants_names)
@@ -180,7 +187,9 @@ class ProcessedJaxpr:
 
     def zero_perturbations(self, params_flat: Sequence[Any], other_flat: Sequence[Any]) -> tuple[Any, ...]:
         shapes = jax.eval_shape(lambda p, o: self.evaluate(p, o)[1][1], params_flat, other_flat)
-        return tuple(jnp.zeros(shapes[i][1].shape, shapes[i][1].dtype) for i in self.perturbable_sites())
+        return tuple(
+            tuple(jnp.zeros(y.shape, y.dtype) for _, y in shapes[i]) for i in self.perturbable_sites()
+        )
 
     # --- reporting ----------------------------------------------------------------
 
@@ -300,8 +309,11 @@ def loss_tags_hvp(func: Callable[..., Any], params_index: int = 0) -> Callable[.
     return wrapped
 
 
-def canonical_layer_data(site: LayerSite, xs: Sequence[Any], y: Any) -> tuple[tuple, Any]:
-    """Moves feature axes last so that blocks see ``(batch, ..., features)``."""
+def canonical_layer_data(site: Any, xs: Sequence[Any], y: Any) -> tuple[tuple, Any]:
+    """Moves feature axes last so that blocks see ``(batch, ..., features)``.
+
+    ``site`` is a ``LayerSite`` or one of its ``LayerUse``s (anything with ``meta``).
+    """
     ia = site.meta.get("input_feature_axis")
     oa = site.meta.get("output_feature_axis")
     if ia is not None:
@@ -346,6 +358,11 @@ def layer_tags_vjp(
     return wrapped
 
 
+def _pool_positions(arrays: Sequence[Any]) -> Any:
+    """Stacks ``(B, ..., d)`` arrays as ``(B, T_1 + T_2 + ..., d)``."""
+    return jnp.concatenate([a.reshape(a.shape[0], -1, a.shape[-1]) for a in arrays], axis=1)
+
+
 def assemble_layer_data(
     pj: ProcessedJaxpr, params_flat: Sequence[Any], layer_data: Sequence[Any], dparams: Sequence[Any], deps: Sequence[Any]
 ) -> list[dict]:
@@ -353,10 +370,17 @@ def assemble_layer_data(
     out = []
     pert = {j: i for i, j in enumerate(pj.perturbable_sites())}
     for j, site in enumerate(pj.layer_sites):
-        xs, y = layer_data[j]
-        dy = deps[pert[j]] if j in pert else None
-        xs_c, y_c = canonical_layer_data(site, xs, y)
-        _, dy_c = canonical_layer_data(site, (), dy)
+        dys = deps[pert[j]] if j in pert else (None,) * len(site.uses)
+        canon = []
+        for use, (xs, y), dy in zip(site.uses, layer_data[j], dys):
+            xs_c, y_c = canonical_layer_data(use, xs, y)
+            canon.append((xs_c, y_c, canonical_layer_data(use, (), dy)[1]))
+        if len(canon) == 1:
+            xs_c, y_c, dy_c = canon[0]
+        else:  # tied weights: the uses become extra positions of one layer
+            xs_c = tuple(_pool_positions([c[0][k] for c in canon]) for k in range(len(canon[0][0])))
+            y_c = _pool_positions([c[1] for c in canon])
+            dy_c = _pool_positions([c[2] for c in canon]) if j in pert else None
         out.append(
             {
                 "inputs": xs_c,
@@ -428,7 +452,12 @@ def auto_register_tags(
     def tagged(*args: Any) -> Any:
         p, o = pj.split_args(args)
         flat = pj.join_args(p, o)
-        env_sites = {s.output: s for s in pj.layer_sites if s.pattern not in ("manual", "generic")}
+        env_sites = {
+            use.output: dataclasses.replace(s, output=use.output, inputs=use.inputs, meta=use.meta, extra_uses=())
+            for s in pj.layer_sites
+            if s.pattern not in ("manual", "generic")
+            for use in s.uses
+        }
         # Evaluate once to know inputs, then bind the tags on the outputs.
         wanted = list(pj.program.output_atoms)
         values: dict[Any, Any] = {}
