@@ -11,7 +11,7 @@ kfac_jax`` runs kfac-jax code. Modules, in dependency order:
 * ``optimizer``              -- the K-FAC optimizer.
 """
 
-from curvax import layers, utils  # importing `layers` registers every layer kind
+from curvax import layers, patterns, utils  # importing `layers` registers every layer kind
 from curvax.blocks import (
     CurvatureBlock,
     DenseDiagonal,
@@ -53,6 +53,7 @@ from curvax.losses import (
     register_squared_error_loss,
 )
 from curvax.optimizer import Optimizer
+from curvax.patterns import GraphPattern
 from curvax.tags import LayerTag, LayerTagEqn, LossTag, register_dense, register_generic
 from curvax.transforms import (
     ProcessedJaxpr,
@@ -65,8 +66,13 @@ from curvax.transforms import (
 
 __version__ = "0.1.0"
 
+tag_graph_matcher = patterns  # kfac-jax's module name for the pattern API
+
 __all__ = [
     "layers",
+    "GraphPattern",
+    "patterns",
+    "tag_graph_matcher",
     "BlockDiagonalCurvature",
     "CategoricalLogitsNegativeLogProbLoss",
     "CurvatureBlock",

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from curvax import tags
-from curvax.tracing import Key, LayerSite, LayerUse, Lit, Program
+from curvax.tracing import Key, LayerSite, LayerUse, Lit, Program, features_last
 
 # Ops that only broadcast/reshape/cast a bias vector on its way to the add.
 _BIAS_PLUMBING = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "expand_dims", "squeeze", "copy"})
@@ -81,12 +81,19 @@ def bias_source(program: Program, ctx: Context, atom: Any) -> tuple[Key, list[in
     return None
 
 
-def bias_maps_to_feature_axis(program: Program, chain: Sequence[int], bias_key: Key, out_shape: tuple, axis: int) -> bool:
-    """Checks numerically that the plumbing places ``b[j]`` at index j of ``axis``."""
-    d = program.avals[bias_key].shape
-    if len(d) != 1 or d[0] != out_shape[axis]:
+def bias_maps_to_feature_axis(program: Program, chain: Sequence[int], bias_key: Key, out_shape: tuple, axis: Any) -> bool:
+    """Checks numerically that the plumbing places ``b[j]`` at index j of ``axis``.
+
+    ``axis`` may be a tuple of output axes; the bias then has their sizes as its
+    shape, in that order (e.g. a ``(heads, head_dim)`` bias of a multi-head projection).
+    """
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    want_shape = tuple(out_shape[a] for a in axes)
+    d = tuple(program.avals[bias_key].shape)
+    if int(np.prod(d, dtype=int)) != int(np.prod(want_shape, dtype=int)) or len(d) not in (1, len(axes)):
         return False
-    val: Any = np.arange(1, d[0] + 1, dtype=np.float32)
+    size = int(np.prod(d, dtype=int))
+    val: Any = np.arange(1, size + 1, dtype=np.float32).reshape(d)
     try:
         for idx in chain:
             node = program.nodes[idx]
@@ -97,23 +104,24 @@ def bias_maps_to_feature_axis(program: Program, chain: Sequence[int], bias_key: 
         got = np.broadcast_to(val, out_shape)
     except Exception:  # noqa: BLE001 - any failure means "not a bias"
         return False
-    shape = [1] * len(out_shape)
-    shape[axis] = d[0]
-    want = np.broadcast_to(np.arange(1, d[0] + 1, dtype=np.float32).reshape(shape), out_shape)
+    base = np.arange(1, size + 1, dtype=np.float32).reshape(want_shape + (1,) * (len(out_shape) - len(axes)))
+    want = np.broadcast_to(np.moveaxis(base, tuple(range(len(axes))), axes), out_shape)
     return bool(np.array_equal(got, want))
 
 
 def match_dense(program: Program, idx: int, ctx: Context) -> Match | None:
-    """``y = x @ W (+ b)`` as a ``dot_general`` with a 2-D parameter operand.
+    """``y = x @ W (+ b)`` as a ``dot_general`` with a parameter operand ``W``.
 
     Works for either kernel layout (``(d_in, d_out)`` or ``(d_out, d_in)``) and
-    either operand order, and for any number of leading dims of ``x``.
+    either operand order, for any number of leading dims of ``x``, and for
+    multi-axis kernels such as Flax's ``DenseGeneral`` (``(d, heads, head_dim)``):
+    contracted kernel axes form the input features, the others the output features.
     """
     node = program.nodes[idx]
     if node.primitive.name != "dot_general" or len(node.inputs) != 2:
         return None
     (lc, rc), (lb, rb) = node.params["dimension_numbers"]
-    if lb or rb or len(lc) != 1 or len(rc) != 1:
+    if lb or rb or not lc:
         return None
     a, b = node.inputs
     a_is_p = not isinstance(a, Lit) and a in ctx.matchable_params
@@ -121,22 +129,35 @@ def match_dense(program: Program, idx: int, ctx: Context) -> Match | None:
     if a_is_p == b_is_p:
         return None
     w, x = (a, b) if a_is_p else (b, a)
-    if isinstance(x, Lit) or len(program.avals[w].shape) != 2:
+    w_shape = tuple(program.avals[w].shape)
+    if isinstance(x, Lit) or len(w_shape) < 2:
         return None
-    w_contract = (lc if a_is_p else rc)[0]
-    x_contract = (rc if a_is_p else lc)[0]
+    w_contract = tuple(int(i) for i in (lc if a_is_p else rc))
+    x_contract = tuple(int(i) for i in (rc if a_is_p else lc))
+    w_free = tuple(i for i in range(len(w_shape)) if i not in w_contract)
     x_ndim = len(program.avals[x].shape)
-    if x_ndim < 1:
+    if not w_free or x_ndim < 1:
         return None
-    y = node.outputs[0]
-    out_shape = tuple(program.avals[y].shape)
     # dot_general output: lhs free dims, then rhs free dims.
-    out_axis = 0 if a_is_p else x_ndim - 1
-    meta = {
-        "kernel_layout": "io" if w_contract == 0 else "oi",
-        "input_feature_axis": x_contract,
-        "output_feature_axis": out_axis,
-    }
+    x_free = x_ndim - len(x_contract)
+    out_axes = tuple(range(len(w_free))) if a_is_p else tuple(range(x_free, x_free + len(w_free)))
+    simple = len(w_shape) == 2
+    meta: dict[str, Any]
+    if simple:
+        meta = {
+            "kernel_layout": "io" if w_contract[0] == 0 else "oi",
+            "input_feature_axis": x_contract[0],
+            "output_feature_axis": out_axes[0],
+        }
+    else:
+        meta = {
+            "kernel_layout": "general",
+            "kernel_in_axes": w_contract,
+            "kernel_out_axes": w_free,
+            "input_feature_axis": x_contract,
+            "output_feature_axis": out_axes,
+        }
+    y = node.outputs[0]
     nodes = {idx}
     params: tuple[Key, ...] = (w,)
     output: Key = y
@@ -146,12 +167,12 @@ def match_dense(program: Program, idx: int, ctx: Context) -> Match | None:
     if len(users) == 1 and program.nodes[users[0]].primitive.name == "transpose":
         tnode = program.nodes[users[0]]
         perm = tuple(tnode.params["permutation"])
-        out_axis = perm.index(out_axis)
-        meta["output_feature_axis"] = out_axis
+        out_axes = tuple(perm.index(k) for k in out_axes)
+        meta["output_feature_axis"] = out_axes[0] if simple else out_axes
         y = output = tnode.outputs[0]
-        out_shape = tuple(program.avals[y].shape)
         nodes.add(users[0])
         users = ctx.consumers(program, y)
+    out_shape = tuple(program.avals[y].shape)
     if len(users) == 1 and program.nodes[users[0]].primitive.name in _ADD_OPS:
         add = program.nodes[users[0]]
         other = add.inputs[1] if add.inputs[0] == y else add.inputs[0]
@@ -161,7 +182,7 @@ def match_dense(program: Program, idx: int, ctx: Context) -> Match | None:
             found is not None
             and found[0] != w
             and tuple(program.avals[add_out].shape) == out_shape
-            and bias_maps_to_feature_axis(program, found[1], found[0], out_shape, out_axis)
+            and bias_maps_to_feature_axis(program, found[1], found[0], out_shape, out_axes[0] if simple else out_axes)
         ):
             params = (w, found[0])
             output = add_out
@@ -203,6 +224,11 @@ def register_layer_matcher(
     if manual_meta_defaults:
         _MANUAL_META_DEFAULTS[name] = dict(manual_meta_defaults)
     return lm
+
+
+def manual_meta_defaults(tag_name: str) -> dict[str, Any]:
+    """Meta keys filled in for a hand-bound tag of this name (see ``register_layer_matcher``)."""
+    return dict(_MANUAL_META_DEFAULTS.get(tag_name, {}))
 
 
 def registered_matchers() -> tuple[LayerMatcher, ...]:
@@ -428,9 +454,7 @@ def site_to_tag_eqn(program: Program, site: LayerSite) -> tags.LayerTagEqn:
     def moved(s: jax.ShapeDtypeStruct, axis: Any) -> jax.ShapeDtypeStruct:
         if axis is None or not s.shape:
             return s
-        shape = list(s.shape)
-        shape.append(shape.pop(axis))
-        return jax.ShapeDtypeStruct(tuple(shape), s.dtype)
+        return jax.eval_shape(lambda a: features_last(a, axis), s)
 
     def pooled(structs: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
         if len(structs) == 1:

@@ -23,7 +23,7 @@ import numpy as np
 
 from curvax import blocks as blocks_lib
 from curvax import tags, utils
-from curvax.transforms import ProcessedJaxpr, _Cache, assemble_layer_data
+from curvax.transforms import ProcessedJaxpr, _Cache, assemble_layer_data, zero_tangents
 
 ESTIMATION_MODES = (
     "fisher_gradients",
@@ -32,7 +32,11 @@ ESTIMATION_MODES = (
     "fisher_exact",
     "ggn_curvature_prop",
     "ggn_exact",
+    "forward_only",
 )
+"""Estimation modes. ``forward_only`` is FOOF (Benzing 2022): Kronecker blocks keep
+the input factor ``A`` and use the identity as gradient factor, so no backward
+pass is run for the statistics; generic (diagonal) blocks get no curvature."""
 
 
 def check_estimation_mode(mode: str, arg_name: str = "estimation_mode") -> str:
@@ -327,13 +331,17 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         (deps, _), vjp, (ops, layer_data) = jax.vjp(lambda q, e: pj.evaluate(q, o, e), p, eps, has_aux=True)  # type: ignore[union-attr]
         losses = pj.losses_from_operands(ops)  # type: ignore[union-attr]
 
-        def data_for(cot: tuple) -> list[dict]:
-            dp, de = vjp((cot, ()))
+        def data_for(cot: tuple | None) -> list[dict]:
+            dp, de = zero_tangents(p, eps) if cot is None else vjp((cot, ()))
             return assemble_layer_data(pj, p, layer_data, dp, de)  # type: ignore[arg-type]
 
         return self._update_from_cotangents(state, losses, data_for, rng, mode, ema_old, ema_new, batch_size, pmap_axis_name)
 
     def _update_from_cotangents(self, state, losses, data_for, rng, mode, ema_old, ema_new, batch_size, pmap_axis_name):
+        """Updates every block; ``data_for(cotangents)`` gives per-layer data (``None``: forward only)."""
+        if mode == "forward_only":
+            new = self.update_blocks(state, data_for(None), ema_old, ema_new, batch_size, pmap_axis_name)
+            return BlockDiagonalState(tuple(self._forward_only(b, s) for b, s in zip(self._blocks, new.blocks_states)))  # type: ignore[arg-type]
         if mode.endswith("_exact"):
             total, cot_fn = exact_cotangent_fn(losses, mode)
 
@@ -343,6 +351,21 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
             return jax.lax.fori_loop(0, total, body, state)
         return self.update_blocks(state, data_for(loss_cotangents(losses, rng, mode)), ema_old, ema_new, batch_size, pmap_axis_name)
+
+    @staticmethod
+    def _forward_only(block: Any, state: Any) -> Any:
+        """FOOF: the gradient factor of a Kronecker block is the identity."""
+        if isinstance(block, blocks_lib.TwoKroneckerFactored):
+            state = jax.tree_util.tree_map(lambda x: x, state)
+            state.outputs_factor.value = jnp.eye(state.outputs_factor.value.shape[0], dtype=state.outputs_factor.value.dtype)
+            return state
+        if isinstance(block, blocks_lib.Diagonal) and block.layer_tag_primitive is tags.generic:
+            return state  # no curvature information without a backward pass: zero statistics
+        raise ValueError(
+            f"estimation_mode='forward_only' needs Kronecker-factored blocks (or generic diagonal ones), but "
+            f"{block.name} uses {type(block).__name__}; choose another block with `layer_tag_to_block_ctor` "
+            "or another estimation mode."
+        )
 
     def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues, pmap_axis_name=None) -> BlockDiagonalState:
         self._require_finalized()

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from curvax import estimators, utils
-from curvax.transforms import assemble_layer_data
+from curvax.transforms import assemble_layer_data, zero_tangents
 
 logger = logging.getLogger("curvax")
 
@@ -467,7 +467,7 @@ class Optimizer:
         _, new_func_state, aux = self._split_outputs(jax.tree_util.tree_unflatten(pj.out_tree, list(outs)))
 
         def data_for(cot):
-            dp, de = f_vjp((jnp.zeros_like(loss), cot))
+            dp, de = zero_tangents(p, eps) if cot is None else f_vjp((jnp.zeros_like(loss), cot))
             return assemble_layer_data(pj, p, layer_data, dp, de)
 
         est_state = est._update_from_cotangents(

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import jax.numpy as jnp
+
 
 from curvax import _compat, tags
 
@@ -220,6 +222,20 @@ class LayerUse:
     output: Key
     inputs: tuple[Atom, ...]
     meta: Mapping[str, Any]
+
+
+def features_last(x: Any, axes: Any) -> Any:
+    """Moves the feature axis (an int) or axes (a tuple, flattened in that order) of ``x`` last.
+
+    This is how layer inputs and outputs reach the blocks: ``(batch, ..., features)``.
+    """
+    if axes is None:
+        return x
+    if isinstance(axes, int):
+        return jnp.moveaxis(x, axes, -1)
+    axes = tuple(a % x.ndim for a in axes)
+    moved = jnp.moveaxis(x, axes, tuple(range(x.ndim - len(axes), x.ndim)))
+    return moved.reshape(moved.shape[: x.ndim - len(axes)] + (-1,))
 
 
 def find_loss_sites(program: Program) -> list[LossSite]:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from curvax import _compat, detection, tags, utils
-from curvax.tracing import LayerSite, LossSite, Program, find_loss_sites, make_loss
+from curvax.tracing import LayerSite, LossSite, Program, features_last, find_loss_sites, make_loss
 
 logger = logging.getLogger("curvax")
 
@@ -316,11 +316,10 @@ def canonical_layer_data(site: Any, xs: Sequence[Any], y: Any) -> tuple[tuple, A
     """
     ia = site.meta.get("input_feature_axis")
     oa = site.meta.get("output_feature_axis")
-    if ia is not None:
-        xs = tuple(jnp.moveaxis(x, ia, -1) for x in xs)
-    if oa is not None and y is not None:
-        y = jnp.moveaxis(y, oa, -1)
-    return tuple(xs), y
+    xs = tuple(features_last(x, ia) for x in xs)
+    if y is not None:
+        y = features_last(y, oa)
+    return xs, y
 
 
 def layer_tags_vjp(
@@ -356,6 +355,12 @@ def layer_tags_vjp(
 
     wrapped.processed_jaxpr = cache  # type: ignore[attr-defined]
     return wrapped
+
+
+def zero_tangents(params_flat: Sequence[Any], perturbations: Any) -> tuple[list[Any], Any]:
+    """Zero parameter and layer-output cotangents: what ``forward_only`` statistics use."""
+    zeros = lambda t: jax.tree_util.tree_map(jnp.zeros_like, t)
+    return zeros(list(params_flat)), zeros(perturbations)
 
 
 def _pool_positions(arrays: Sequence[Any]) -> Any:
