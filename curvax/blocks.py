@@ -57,6 +57,10 @@ __all__ = [
     "TwoKroneckerFactored",
     "KroneckerFactored",
     "DenseTwoKroneckerFactored",
+    "EigenvalueCorrectedKroneckerFactored",
+    "DenseEigenvalueCorrected",
+    "NaiveTNT",
+    "DenseTNT",
     "get_default_tag_to_block_ctor",
     "set_default_tag_to_block_ctor",
     "get_default_eigen_decomposition_threshold",
@@ -697,6 +701,17 @@ class _DenseLayerMixin:
             raise ValueError(f"{name}: a dense block needs one input and one output tangent, got {len(xs)} and {len(dys)}.")
         return xs[0], dys[0]
 
+    def _augmented_per_example(self, estimation_data: Mapping[str, Sequence[Array]], dtype: Any) -> tuple[Array, Array]:
+        """Inputs ``(B, T, d_in [+1])`` (a ones column for the bias) and output tangents ``(B, T, d_out)``."""
+        x, dy = self._dense_data(estimation_data)
+        x3 = _per_example(x, self.dense_in_dim, "inputs[0]").astype(dtype)
+        dy3 = _per_example(dy, self.dense_out_dim, "outputs_tangent[0]").astype(dtype)
+        if x3.shape[:2] != dy3.shape[:2]:
+            raise ValueError(f"{self.name}: inputs {x.shape} and output tangents {dy.shape} disagree on leading axes.")  # type: ignore[attr-defined]
+        if len(self.parameters_shapes) == 2:  # type: ignore[attr-defined]
+            x3 = jnp.concatenate([x3, jnp.ones(x3.shape[:2] + (1,), dtype)], axis=-1)
+        return x3, dy3
+
     def _per_example_grads(self, x: Array, dy: Array) -> tuple[Array, ...]:
         """Per-example parameter gradients, shaped ``(B, *param_shape)``, summed over extra axes."""
         x3 = _per_example(x, self.dense_in_dim, "inputs[0]")
@@ -1132,7 +1147,10 @@ class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
 
     def _to_dense_unscaled(self, state):
         a, g = self._factors(state)
-        dense_v = jnp.kron(a, g)
+        return self._vec_v_to_parameter_order(jnp.kron(a, g))
+
+    def _vec_v_to_parameter_order(self, dense_v: Array) -> Array:
+        """Reorders a matrix acting on ``vec(V)`` (row-major) to parameter order."""
         # perm[k] = position in parameter order of the k-th entry of vec(V).
         offsets = np.cumsum([0] + list(self.parameters_sizes))
         index_params = [np.arange(offsets[i], offsets[i + 1]).reshape(s) for i, s in enumerate(self.parameters_shapes)]
@@ -1186,6 +1204,261 @@ class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
         state.inputs_factor.update(a, ema_old, ema_new)
         state.outputs_factor.update(g, ema_old, ema_new)
         return state
+
+
+# ----------------------------------------------------------------------------------
+# Eigenvalue-corrected K-FAC (EKFAC)
+# ----------------------------------------------------------------------------------
+
+
+class EigenvalueCorrectedKroneckerFactored(TwoKroneckerFactored, abc.ABC):
+    """EKFAC (George et al., 2018): ``C ~= Q diag(s) Q^T`` with ``Q = Q_A (x) Q_G``.
+
+    ``Q_A``, ``Q_G`` are eigenvectors of the K-FAC factors ``A``, ``G`` (moving
+    averages estimated exactly as by the K-FAC block this class is combined
+    with), and ``s`` (shape ``input_size() x output_size()``) is a moving average
+    of the per-example gradient second moments in that basis,
+    ``s = (1/B) sum_n (Q_A^T V_n Q_G)^2`` (elementwise), ``V_n`` being example n's
+    gradient arranged as ``V``. So ``s`` is the diagonal of the per-example Fisher
+    in the Kronecker eigenbasis: with the basis of the same statistics, EKFAC is
+    never further from that Fisher (Frobenius norm) than K-FAC, whose eigenvalues
+    ``s_A s_G^T`` are another diagonal in the same basis.
+
+    Basis: recomputed only by ``update_cache`` (``eigh`` of ``A`` and ``G``) and
+    kept in ``cache["inputs_factor_eigen_vectors"]`` /
+    ``cache["outputs_factor_eigen_vectors"]`` whatever powers were requested. It
+    is the identity before the first ``update_cache``, where the block is the
+    diagonal per-example Fisher (as ``DenseDiagonal``); a caller that never
+    calls ``update_cache`` therefore gets a diagonal preconditioner. When the basis changes,
+    ``s`` is carried over as the diagonal of the previous estimate in the new
+    basis (its Frobenius projection; same moving-average weight), and later
+    batches are measured in the new basis.
+
+    Every product, exact or approximate, cached or not, is
+    ``Q diag(s + w)^p Q^T v`` with the current ``s`` and the damping ``w`` given
+    at call time: nothing but the basis is cached. ``eigenvalues`` returns ``s``.
+
+    Subclasses list a concrete ``TwoKroneckerFactored`` (which estimates ``A``
+    and ``G``) after this class in their bases and implement
+    ``_eigenvalue_correction_from_data``.
+    """
+
+    @register_state_class
+    class State(TwoKroneckerFactored.State):
+        """Adds ``eigenvalue_correction``: ``WeightedMovingAverage`` of ``s``."""
+
+        eigenvalue_correction: WeightedMovingAverage
+
+    @abc.abstractmethod
+    def _eigenvalue_correction_from_data(
+        self, estimation_data: Mapping[str, Sequence[Array]], qa: Array, qg: Array, batch_size: Numeric
+    ) -> Array:
+        """This batch's ``(1/B) sum_n (Q_A^T V_n Q_G)^2``, shape ``(input_size(), output_size())``."""
+
+    def _init(self, rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
+        del rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues
+        self._check_sizes()
+        di, do, dtype = int(self.input_size()), int(self.output_size()), self.dtype
+        return EigenvalueCorrectedKroneckerFactored.State(
+            cache={
+                "inputs_factor_eigen_vectors": jnp.eye(di, dtype=dtype),
+                "outputs_factor_eigen_vectors": jnp.eye(do, dtype=dtype),
+            },
+            inputs_factor=WeightedMovingAverage.zeros((di, di), dtype),
+            outputs_factor=WeightedMovingAverage.zeros((do, do), dtype),
+            eigenvalue_correction=WeightedMovingAverage.zeros((di, do), dtype),
+        )
+
+    def _basis(self, state: Any) -> tuple[Array, Array]:
+        cache = state.cache or {}
+        if "inputs_factor_eigen_vectors" not in cache or "outputs_factor_eigen_vectors" not in cache:
+            raise ValueError(
+                f"{self._name} ({type(self).__name__}): the state has no eigenbasis in its cache; create it with "
+                "this block's `init`."
+            )
+        return cache["inputs_factor_eigen_vectors"], cache["outputs_factor_eigen_vectors"]
+
+    def update_curvature_matrix_estimate(
+        self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
+    ):
+        state = _copy_state(
+            super().update_curvature_matrix_estimate(state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name)
+        )
+        qa, qg = self._basis(state)
+        s = self._eigenvalue_correction_from_data(estimation_data, qa, qg, batch_size)
+        state.eigenvalue_correction.update(s.astype(state.eigenvalue_correction.value.dtype), ema_old, ema_new)
+        return state
+
+    def _serves_from_cache(self, power, exact_power):
+        del power, exact_power
+        return False  # s is read live, so the whole scale applies at call time
+
+    def _multiply_matpower_unscaled(self, state, vector, identity_weight, power, exact_power, use_cached):
+        del exact_power, use_cached
+        qa, qg = self._basis(state)
+        v = self._params_to_array(vector, jnp)
+        s = state.eigenvalue_correction.value
+        return self.array_to_parameters_shaped_list(
+            linalg.kronecker_eigen_basis_mul(qa, qg, s, v, identity_weight, power)
+        )
+
+    def _eigenvalues_unscaled(self, state, use_cached):
+        del use_cached
+        return jnp.ravel(state.eigenvalue_correction.value)
+
+    def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
+        del identity_weight, exact_powers, approx_powers, eigenvalues
+        a, g = self._factors(state)
+        qa_old, qg_old = self._basis(state)
+        _, qa = linalg.safe_psd_eigh(a)
+        _, qg = linalg.safe_psd_eigh(g)
+        # diag((Q_A (x) Q_G)^T C_old (Q_A (x) Q_G)) = P_A s_old P_G^T with P = (Q_new^T Q_old)^2.
+        s = state.eigenvalue_correction
+        projected = jnp.square(qa.T @ qa_old) @ s.value @ jnp.square(qg.T @ qg_old).T
+        state.eigenvalue_correction = WeightedMovingAverage(weight=s.weight, value=projected.astype(s.value.dtype))
+        state.cache = dict(state.cache, inputs_factor_eigen_vectors=qa, outputs_factor_eigen_vectors=qg)
+        return state
+
+    def _to_dense_unscaled(self, state):
+        qa, qg = self._basis(state)
+        q = jnp.kron(qa, qg)
+        return self._vec_v_to_parameter_order((q * jnp.ravel(state.eigenvalue_correction.value)) @ q.T)
+
+
+class DenseEigenvalueCorrected(EigenvalueCorrectedKroneckerFactored, DenseTwoKroneckerFactored):
+    """EKFAC for dense layers: ``A``, ``G`` as in ``DenseTwoKroneckerFactored``.
+
+    ``V_n = sum_t [x_nt; 1] dy_nt^T`` is example n's (weight, bias) gradient,
+    summed over any extra (sequence) positions ``t``.
+    """
+
+    def _eigenvalue_correction_from_data(self, estimation_data, qa, qg, batch_size):
+        x3, dy3 = self._augmented_per_example(estimation_data, qa.dtype)
+        xr, dyr = x3 @ qa, dy3 @ qg
+        if x3.shape[1] == 1:  # one position: (Q_A^T x)^2 (Q_G^T dy)^2^T, no per-example matrices
+            s = jnp.square(xr[:, 0]).T @ jnp.square(dyr[:, 0])
+        else:
+            s = jnp.sum(jnp.square(jnp.einsum("bti,bto->bio", xr, dyr)), axis=0)
+        return s / batch_size
+
+
+
+# ----------------------------------------------------------------------------------
+# Tensor Normal Training (TNT)
+# ----------------------------------------------------------------------------------
+
+
+class _TwoFactorTNT(TwoKroneckerFactored, abc.ABC):
+    """TNT (Ren & Goldfarb, 2021) for a gradient arranged as the matrix ``V``.
+
+    The gradient is modelled as tensor-normal, ``Cov(vec V) = U_A (x) U_G``. The
+    factors are the mode second moments ``A = E[V V^T]`` and ``G = E[V^T V]``
+    (moving averages of batch estimates, see the subclasses), and
+
+        ``C = (A (x) G) / sqrt(tr(A) tr(G))``,
+
+    i.e. ``state_dependent_scale = (tr A tr G)^(-1/2)`` (1 while a trace is not
+    positive). Why this normalisation: ``tr A = tr G = E[|V|^2] = tr E[vec V vec V^T]``,
+    so ``tr C`` equals the trace of the per-example Fisher for any data; for a
+    single example (rank one) ``C = vec V vec V^T`` exactly; and if the
+    covariance really is ``U_A (x) U_G`` then ``A = U_A tr U_G``,
+    ``G = U_G tr U_A`` and ``C`` recovers it. How the scale is split between the
+    two factors does not change ``C``; pi-adjusted damping balances them.
+    """
+
+    def state_dependent_scale(self, state: Any) -> Array:
+        ta = jnp.trace(state.inputs_factor.value)
+        tg = jnp.trace(state.outputs_factor.value)
+        ok = jnp.logical_and(ta > 0, tg > 0)
+        return jnp.where(ok, 1 / jnp.sqrt(jnp.where(ok, ta, 1)) / jnp.sqrt(jnp.where(ok, tg, 1)), 1)
+
+    @abc.abstractmethod
+    def _tnt_factors_from_data(
+        self, estimation_data: Mapping[str, Sequence[Array]], batch_size: Numeric
+    ) -> tuple[Array, Array]:
+        """This batch's estimates of ``E[V V^T]`` and ``E[V^T V]``."""
+
+    def update_curvature_matrix_estimate(
+        self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
+    ):
+        del pmap_axis_name
+        a, g = self._tnt_factors_from_data(estimation_data, batch_size)
+        state = _copy_state(state)
+        state.inputs_factor.update(a.astype(state.inputs_factor.value.dtype), ema_old, ema_new)
+        state.outputs_factor.update(g.astype(state.outputs_factor.value.dtype), ema_old, ema_new)
+        return state
+
+
+class NaiveTNT(_TwoFactorTNT):
+    """TNT from the batch-summed (sampled-loss) gradient ``g``: ``A = V V^T / B``, ``G = V^T V / B``.
+
+    ``V`` is ``g`` arranged as a matrix: the first parameter reshaped to
+    ``(-1, last axis)`` (transposed first for ``meta["kernel_layout"] == "oi"``),
+    with an optional second parameter of that last axis' size as an extra row.
+    This suits any parameter of at least one axis (``generic`` tags included);
+    like ``NaiveDiagonal`` it is unbiased when the per-example gradients of the
+    sampled loss are independent and zero-mean.
+    """
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+        super().__init__(layer_tag_eq, name)
+        shapes = self.parameters_shapes
+        if len(shapes[0]) == 0 or (self.has_bias and math.prod(shapes[1]) != self._last_axis()):
+            raise ValueError(
+                f"{name}: NaiveTNT needs a parameter with at least one axis and an optional second parameter with "
+                f"as many entries as the first one's last axis, got shapes {shapes}."
+            )
+
+    def _last_axis(self) -> int:
+        w = self.parameters_shapes[0]
+        oi = (self._layer_tag_eq.meta or {}).get("kernel_layout", "io") == "oi" and len(w) == 2
+        return w[0] if oi else w[-1]
+
+    def input_size(self) -> int:
+        return int(math.prod(self.parameters_shapes[0])) // self._last_axis() + int(self.has_bias)
+
+    def output_size(self) -> int:
+        return self._last_axis()
+
+    def _tnt_factors_from_data(self, estimation_data, batch_size):
+        tangents = tuple(estimation_data["params_tangent"])
+        if len(tangents) != self.number_of_parameters:
+            raise ValueError(
+                f"{self._name}: expected {self.number_of_parameters} parameter tangents, got {len(tangents)}."
+            )
+        v = self._params_to_array(tangents, jnp).astype(self.dtype)
+        return (v @ v.T) / batch_size, (v.T @ v) / batch_size
+
+
+class DenseTNT(_DenseLayerMixin, _TwoFactorTNT):
+    """TNT for dense layers from per-example gradients ``V_n = sum_t [x_nt; 1] dy_nt^T``.
+
+    ``A = (1/B) sum_n V_n V_n^T`` and ``G = (1/B) sum_n V_n^T V_n``; with one
+    position per example these are ``(1/B) sum_n |dy_n|^2 [x_n; 1][x_n; 1]^T``
+    and ``(1/B) sum_n (|x_n|^2 + 1) dy_n dy_n^T``.
+    """
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+        super().__init__(layer_tag_eq, name)
+        self._check_dense()
+
+    def input_size(self) -> int:
+        return self.dense_in_dim + int(self.has_bias)
+
+    def output_size(self) -> int:
+        return self.dense_out_dim
+
+    def _tnt_factors_from_data(self, estimation_data, batch_size):
+        x3, dy3 = self._augmented_per_example(estimation_data, self.dtype)
+        if x3.shape[1] == 1:
+            x2, dy2 = x3[:, 0], dy3[:, 0]
+            a = (x2 * jnp.sum(jnp.square(dy2), axis=1, keepdims=True)).T @ x2
+            g = (dy2 * jnp.sum(jnp.square(x2), axis=1, keepdims=True)).T @ dy2
+        else:
+            v = jnp.einsum("bti,bto->bio", x3, dy3)
+            a = jnp.einsum("bio,bjo->ij", v, v)
+            g = jnp.einsum("bio,bip->op", v, v)
+        return a / batch_size, g / batch_size
 
 
 # ----------------------------------------------------------------------------------

@@ -4,7 +4,10 @@ Curvature factors are PSD in exact arithmetic but arrive slightly asymmetric
 and slightly indefinite after float accumulation. Every helper here therefore
 symmetrizes its input, clips negative eigenvalues, and falls back to a more
 robust algorithm (selected with ``lax.cond``, never Python control flow on
-traced values) when the fast one returns non-finite numbers.
+traced values) when the fast one returns non-finite numbers: first the same
+factorization in float64 (enabled locally with ``jax.enable_x64``, so a float32
+program needs no global x64 flag), else an SVD (eigh) or a diagonal solve
+(Cholesky).
 """
 
 from __future__ import annotations
@@ -28,29 +31,61 @@ def _all_finite(*xs: Array) -> Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
 
 
+def float64_retry_available(dtype: Any) -> bool:
+    """Whether a failed ``dtype`` factorization can be redone in float64.
+
+    True for floating dtypes narrower than float64 on backends with float64
+    linear algebra (not TPU). The retry enables 64-bit types only locally, with
+    the public ``jax.enable_x64`` context manager, so it works inside a jitted
+    float32 program without turning x64 on globally.
+    """
+    return (
+        jnp.issubdtype(dtype, jnp.floating)
+        and jnp.dtype(dtype).itemsize < 8
+        and jax.default_backend() != "tpu"
+    )
+
+
+def _eigh_in_float64(m: Array) -> tuple[Array, Array]:
+    with jax.enable_x64(True):
+        s, q = jnp.linalg.eigh(m.astype(jnp.float64))
+    return s.astype(m.dtype), q.astype(m.dtype)
+
+
 def safe_psd_eigh(m: Array) -> tuple[Array, Array]:
     """Eigen-decomposition ``m = Q diag(s) Q^T`` of a PSD matrix, eigenvalues clipped at 0.
 
-    If ``eigh`` returns non-finite values for a finite input (it can, for badly
-    conditioned matrices on some backends), the SVD is used instead: for a PSD
-    matrix its left singular vectors and singular values are an
-    eigen-decomposition. Returns ``(s, Q)`` with ``s`` ascending for eigh.
+    ``m`` is symmetrized first. If ``eigh`` returns non-finite values for a
+    finite input (it can, for badly conditioned matrices on some backends), it
+    is redone in float64 when ``float64_retry_available(m.dtype)``; otherwise
+    (float64 input, TPU) the SVD is used: for a PSD matrix its left singular
+    vectors and singular values are an eigen-decomposition. The fallback runs
+    under ``lax.cond``, so it costs nothing unless needed. Returns ``(s, Q)``.
     """
     m = symmetrize(m)
     s, q = jnp.linalg.eigh(m)
     bad = jnp.logical_and(_all_finite(m), jnp.logical_not(_all_finite(s, q)))
 
-    def svd_fallback(_: Any) -> tuple[Array, Array]:
+    def fallback(_: Any) -> tuple[Array, Array]:
+        if float64_retry_available(m.dtype):
+            return _eigh_in_float64(m)
         u, sv, _vt = jnp.linalg.svd(m, full_matrices=True)
         return sv.astype(s.dtype), u.astype(q.dtype)
 
-    s, q = lax.cond(bad, svd_fallback, lambda _: (s, q), None)
+    s, q = lax.cond(bad, fallback, lambda _: (s, q), None)
     return jnp.maximum(s, 0), q
 
 
 def safe_eigvalsh(m: Array) -> Array:
-    """Eigenvalues of a PSD matrix (symmetrized first), clipped at 0."""
-    return jnp.maximum(jnp.linalg.eigvalsh(symmetrize(m)), 0)
+    """Eigenvalues of a PSD matrix (symmetrized first), clipped at 0.
+
+    Non-finite results for a finite input are recomputed as in ``safe_psd_eigh``.
+    """
+    m = symmetrize(m)
+    s = jnp.linalg.eigvalsh(m)
+    bad = jnp.logical_and(_all_finite(m), jnp.logical_not(_all_finite(s)))
+    s = lax.cond(bad, lambda _: jnp.sort(safe_psd_eigh(m)[0]), lambda _: s, None)
+    return jnp.maximum(s, 0)
 
 
 def psd_matrix_power(m: Array, power: Numeric) -> Array:
@@ -68,30 +103,36 @@ def _pow(s: Array, power: Numeric) -> Array:
     return jnp.power(s, power)
 
 
-def _eigh_solve(m: Array, b: Array) -> Array:
-    """``m^+ b`` through a clipped eigen-decomposition (pseudo-inverse on the null space)."""
-    s, q = safe_psd_eigh(m)
-    inv = jnp.where(s > 0, 1 / jnp.where(s > 0, s, 1), 0)
-    return q @ (inv[:, None] * (q.T @ b)) if b.ndim == 2 else q @ (inv * (q.T @ b))
+def _cholesky_solve(m: Array, b: Array) -> Array:
+    return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(m, lower=True), b)
+
+
+def _cholesky_solve_in_float64(m: Array, b: Array) -> Array:
+    with jax.enable_x64(True):
+        x = _cholesky_solve(m.astype(jnp.float64), b.astype(jnp.float64))
+    return x.astype(jnp.result_type(m.dtype, b.dtype))
 
 
 def psd_solve(m: Array, b: Array) -> Array:
     """Solves ``m x = b`` for a symmetric positive-definite ``m`` (vector or matrix ``b``).
 
-    Uses one Cholesky factorization. If that yields non-finite values (``m`` not
-    numerically positive definite) while the inputs are finite, the solve falls
-    back to the diagonal (Jacobi) approximation ``b / diag(m)``, so no NaN
-    spreads. The fallback is a cheap select, not a second factorization: every
-    Cholesky in a step costs compile time, and damped curvature factors are
-    positive definite except in degenerate cases.
+    Uses one Cholesky factorization. If that yields non-finite values while the
+    inputs are finite (``m`` too ill-conditioned for its precision), the solve is
+    redone in float64 when ``float64_retry_available(m.dtype)`` (under
+    ``lax.cond``: no cost unless needed). If the result is still not finite
+    (``m`` not positive definite), it falls back to the diagonal (Jacobi)
+    approximation ``b / diag(m)``, so no NaN spreads.
     """
     m = symmetrize(m)
-    chol = jax.scipy.linalg.cho_factor(m, lower=True)
-    x = jax.scipy.linalg.cho_solve(chol, b)
+    x = _cholesky_solve(m, b)
+    inputs_finite = _all_finite(m, b)
+    if float64_retry_available(m.dtype):
+        retry = jnp.logical_and(inputs_finite, jnp.logical_not(_all_finite(x)))
+        x = lax.cond(retry, lambda _: _cholesky_solve_in_float64(m, b).astype(x.dtype), lambda _: x, None)
     d = jnp.diagonal(m)
     d = jnp.where(d > 0, d, jnp.maximum(jnp.max(jnp.abs(d)), jnp.finfo(m.dtype).tiny))
     jacobi = b / (d[:, None] if b.ndim == 2 else d)
-    bad = jnp.logical_and(_all_finite(m, b), jnp.logical_not(_all_finite(x)))
+    bad = jnp.logical_and(inputs_finite, jnp.logical_not(_all_finite(x)))
     return jnp.where(bad, jacobi, x)
 
 
@@ -168,3 +209,13 @@ def kronecker_eigen_mul(
 def eigen_mul(q: Array, s: Array, v: Array, identity_weight: Numeric, power: Numeric) -> Array:
     """``(Q diag(s) Q^T + w I)^p v`` for a vector ``v``."""
     return q @ (_pow(s + identity_weight, power) * (q.T @ v))
+
+
+def kronecker_eigen_basis_mul(qa: Array, qg: Array, s: Array, v: Array, identity_weight: Numeric, power: Numeric) -> Array:
+    """``(Q diag(s) Q^T + w I)^p vec(V)`` with ``Q = Q_A (x) Q_G`` orthogonal, as a matrix.
+
+    ``s`` has shape ``(dim_A, dim_G)``: entry ``(i, j)`` is the eigenvalue of
+    the eigenvector ``q_A,i (x) q_G,j`` (no Kronecker structure assumed for it).
+    """
+    inner = qa.T @ v @ qg
+    return qa @ (inner * _pow(s + identity_weight, power)) @ qg.T

@@ -139,8 +139,7 @@ def test_weighted_moving_average_semantics():
 # ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["io", "oi"])
-@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("layout,bias", [("io", True), ("oi", False)])
 def test_single_example_kronecker_is_exact_fisher(layout, bias):
     eqn = dense_eqn(3, 2, bias, layout, batch=1)
     data, g = dense_data(0, 3, 2, bias, layout, batch=1)
@@ -151,9 +150,9 @@ def test_single_example_kronecker_is_exact_fisher(layout, bias):
     np.testing.assert_allclose(block.to_dense_matrix(updated_state(block, [data], 1)), jnp.diag(g[0] ** 2), atol=1e-12)
 
 
-@pytest.mark.parametrize("extra", [(), (3,)])
-@pytest.mark.parametrize("layout", ["io", "oi"])
-@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    "layout,bias,extra", [("io", True, ()), ("oi", False, ()), ("io", False, (3,)), ("oi", True, (3,))]
+)
 def test_dense_blocks_match_definitions(layout, bias, extra):
     batch, d_in, d_out = 5, 3, 2
     eqn = dense_eqn(d_in, d_out, bias, layout, batch, extra)
@@ -214,19 +213,34 @@ def test_kronecker_powers(layout, bias):
     eqn = dense_eqn(3, 2, bias, layout, batch)
     block = blocks.DenseTwoKroneckerFactored(eqn, "l")
     datas = [dense_data(s, 3, 2, bias, layout, batch)[0] for s in (3, 4)]
-    state = updated_state(block, datas, batch, dict(
-        exact_powers_to_cache=[-1, -0.5], approx_powers_to_cache=-1, cache_eigenvalues=True))
     v = random_vector(block)
-    dense = block.to_dense_matrix(state)
+
+    @jax.jit  # one compilation for every product below
+    def run(datas):
+        state = updated_state(block, datas, batch, dict(
+            exact_powers_to_cache=[-1, -0.5], approx_powers_to_cache=-1, cache_eigenvalues=True))
+        cached = block.update_cache(state, lam, [-1, -0.5], -1, True)
+        out = {
+            "state": state, "cached": cached, "dense": block.to_dense_matrix(state),
+            "exact": [block.multiply_matpower(state, v, lam, p, True, False) for p in (1, -1, -0.5)],
+            "exact_inv": block.multiply_inverse(state, v, lam, True, False),
+            "approx_inv": block.multiply_inverse(state, v, lam, False, False),
+            "approx_mul": block.multiply(state, v, lam, False, False),
+            "cached_exact": [[block.multiply_matpower(c, v, lam2, p, True, c is cached) for c in (cached, state)]
+                             for p in (-1, -0.5) for lam2 in (lam, 2.5)],
+            "cached_approx_inv": [block.multiply_inverse(cached, v, w, False, True) for w in (lam, 100.0)],
+            "cached_eigenvalues": block.eigenvalues(cached, True),
+        }
+        return out
+
+    out = run(datas)
+    state, cached, dense = out["state"], out["cached"], out["dense"]
     eye = jnp.eye(block.dim)
 
     # Exact powers: matrix functions of M + lam I.
-    for p in (1, -1, -0.5):
-        got = flat(block.multiply_matpower(state, v, lam, p, True, False))
-        np.testing.assert_allclose(got, dense_power(dense + lam * eye, p) @ flat(v), rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(
-        flat(block.multiply_inverse(state, v, lam, True, False)), jnp.linalg.solve(dense + lam * eye, flat(v)), rtol=1e-9
-    )
+    for p, got in zip((1, -1, -0.5), out["exact"]):
+        np.testing.assert_allclose(flat(got), dense_power(dense + lam * eye, p) @ flat(v), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(flat(out["exact_inv"]), jnp.linalg.solve(dense + lam * eye, flat(v)), rtol=1e-9)
 
     # Approximate: pi-adjusted damped factors.
     a, g = state.inputs_factor.value, state.outputs_factor.value
@@ -234,29 +248,17 @@ def test_kronecker_powers(layout, bias):
     a_d = a + pi * jnp.sqrt(lam) * jnp.eye(a.shape[0])
     g_d = g + jnp.sqrt(lam) / pi * jnp.eye(g.shape[0])
     vv = to_v(v, layout, bias).ravel()
-    want_inv = jnp.linalg.solve(jnp.kron(a_d, g_d), vv)
-    got_inv = to_v(block.multiply_inverse(state, v, lam, False, False), layout, bias).ravel()
-    np.testing.assert_allclose(got_inv, want_inv, rtol=1e-9)
-    got_mul = to_v(block.multiply(state, v, lam, False, False), layout, bias).ravel()
-    np.testing.assert_allclose(got_mul, jnp.kron(a_d, g_d) @ vv, rtol=1e-9)
+    np.testing.assert_allclose(to_v(out["approx_inv"], layout, bias).ravel(), jnp.linalg.solve(jnp.kron(a_d, g_d), vv), rtol=1e-9)
+    np.testing.assert_allclose(to_v(out["approx_mul"], layout, bias).ravel(), jnp.kron(a_d, g_d) @ vv, rtol=1e-9)
 
     # Cached == uncached. Exact powers use the call-time damping (eigenvectors are damping free).
-    cached = block.update_cache(state, lam, [-1, -0.5], -1, True)
     assert cached.cache["-1"]["identity_weight"] == lam
-    for p in (-1, -0.5):
-        for lam2 in (lam, 2.5):
-            np.testing.assert_allclose(
-                flat(block.multiply_matpower(cached, v, lam2, p, True, True)),
-                flat(block.multiply_matpower(state, v, lam2, p, True, False)), rtol=1e-9,
-            )
-    np.testing.assert_allclose(
-        flat(block.multiply_inverse(cached, v, lam, False, True)), flat(block.multiply_inverse(state, v, lam, False, False)), rtol=1e-9
-    )
+    for from_cache, direct in out["cached_exact"]:
+        np.testing.assert_allclose(flat(from_cache), flat(direct), rtol=1e-9)
     # The approximate cache keeps the damping it was built with.
-    np.testing.assert_allclose(
-        flat(block.multiply_inverse(cached, v, 100.0, False, True)), flat(block.multiply_inverse(state, v, lam, False, False)), rtol=1e-9
-    )
-    np.testing.assert_allclose(jnp.sort(block.eigenvalues(cached, True)), jnp.linalg.eigvalsh(dense), atol=1e-10)
+    for got in out["cached_approx_inv"]:
+        np.testing.assert_allclose(flat(got), flat(out["approx_inv"]), rtol=1e-9)
+    np.testing.assert_allclose(jnp.sort(out["cached_eigenvalues"]), jnp.linalg.eigvalsh(dense), atol=1e-10)
     # update_cache returns a new state; the original's cache is untouched.
     np.testing.assert_allclose(state.cache["-1"]["inputs_factor"], jnp.eye(block.input_size()))
 
@@ -538,3 +540,88 @@ def test_linalg_helpers():
     a_d, g_d = linalg.pi_adjusted_factors(jnp.zeros((2, 2)), jnp.eye(3), 4.0)
     np.testing.assert_allclose(a_d, 2 * jnp.eye(2))
     np.testing.assert_allclose(g_d, 2 * jnp.eye(3))
+
+
+def test_full_eigen_decomposition_threshold_counts_approximate_powers():
+    """More approximate powers than the threshold: one eigendecomposition; otherwise one matrix per power."""
+    batch, lam = 4, 0.3
+    eqn = generic_eqn((2, 3), (2,))
+    keys = jax.random.split(jax.random.PRNGKey(8), 2)
+    data = {"params_tangent": (jax.random.normal(keys[0], (2, 3)), jax.random.normal(keys[1], (2,)))}
+    powers = (-1, -0.5)
+    v = random_vector(blocks.NaiveFull(eqn, "g"))
+    results = {}
+    for threshold in (len(powers), len(powers) - 1):  # at the threshold, and just above it
+        block = blocks.NaiveFull(eqn, "g", eigen_decomposition_threshold=threshold)
+        state = block.init(jax.random.PRNGKey(0), None, powers, False)
+        state = block.update_curvature_matrix_estimate(state, data, 0.0, 1.0, batch)
+        state = block.update_cache(state, lam, None, powers, False)
+        per_power = threshold >= len(powers)
+        assert ("-1" in state.cache and "-0.5" in state.cache) == per_power
+        assert ("eigen_vectors" in state.cache) == (not per_power)
+        m = block.to_dense_matrix(state)
+        for p in powers:
+            got = flat(block.multiply_matpower(state, v, lam, p, False, True))
+            np.testing.assert_allclose(got, dense_power(m + lam * jnp.eye(block.dim), p) @ flat(v), rtol=1e-9)
+            results.setdefault(p, []).append(got)
+    for p in powers:
+        np.testing.assert_allclose(results[p][0], results[p][1], rtol=1e-9)
+
+
+def _random_psd(seed, n, dtype):
+    a = jax.random.normal(jax.random.PRNGKey(seed), (n, n))
+    return (a @ a.T + 0.5 * jnp.eye(n)).astype(dtype)
+
+
+def test_eigh_and_cholesky_retry_in_float64_inside_a_float32_program(monkeypatch):
+    real_eigh, real_eigvalsh, real_cho = jnp.linalg.eigh, jnp.linalg.eigvalsh, jax.scipy.linalg.cho_factor
+    seen = []
+
+    def failing_in_float32(real):
+        def fake(a, *args, **kwargs):
+            seen.append(jnp.dtype(a.dtype))
+            out = real(a, *args, **kwargs)
+            if a.dtype != jnp.float32:
+                return out
+            return jax.tree_util.tree_map(lambda o: o * jnp.nan if isinstance(o, jax.Array) else o, out)
+        return fake
+
+    monkeypatch.setattr(jnp.linalg, "eigh", failing_in_float32(real_eigh))
+    monkeypatch.setattr(jnp.linalg, "eigvalsh", failing_in_float32(real_eigvalsh))
+    monkeypatch.setattr(jax.scipy.linalg, "cho_factor", failing_in_float32(real_cho))
+    m64 = _random_psd(0, 4, jnp.float64)
+    b64 = jnp.arange(4.0)
+    with jax.enable_x64(False):  # a user's float32 program: x64 is off globally
+        m, b = jnp.asarray(np.asarray(m64), jnp.float32), jnp.asarray(np.asarray(b64), jnp.float32)
+        s, q = jax.jit(lambda x: linalg.safe_psd_eigh(x))(m)
+        ev = jax.jit(lambda x: linalg.safe_eigvalsh(x))(m)
+        x = jax.jit(lambda x, y: linalg.psd_solve(x, y))(m, b)
+    assert s.dtype == q.dtype == ev.dtype == x.dtype == jnp.float32
+    assert jnp.dtype(jnp.float64) in seen
+    np.testing.assert_allclose((q * s) @ q.T, m64, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ev, np.linalg.eigvalsh(np.asarray(m64)), rtol=1e-5)
+    # The float64 solve, not the diagonal (Jacobi) fallback.
+    np.testing.assert_allclose(x, np.linalg.solve(np.asarray(m64), np.asarray(b64)), rtol=1e-5)
+
+
+def test_eigh_falls_back_to_svd_without_a_wider_dtype(monkeypatch):
+    real_eigh = jnp.linalg.eigh
+    monkeypatch.setattr(jnp.linalg, "eigh", lambda a, *args, **kw: tuple(o * jnp.nan for o in real_eigh(a, *args, **kw)))
+    assert not linalg.float64_retry_available(jnp.float64)
+    m = _random_psd(1, 4, jnp.float64)
+    s, q = jax.jit(lambda x: linalg.safe_psd_eigh(x))(m)
+    np.testing.assert_allclose((q * s) @ q.T, m, rtol=1e-10)
+    np.testing.assert_allclose(jnp.sort(s), np.linalg.eigvalsh(np.asarray(m)), rtol=1e-10)
+
+
+def test_psd_helpers_symmetrize_and_clip():
+    q = jnp.linalg.qr(jax.random.normal(jax.random.PRNGKey(2), (3, 3)))[0]
+    psd = (q * jnp.array([2.0, 1.0, -1e-9])) @ q.T  # PSD up to round-off: a tiny negative eigenvalue
+    skew = 1e-3 * jnp.array([[0.0, 1.0, 2.0], [-1.0, 0.0, 3.0], [-2.0, -3.0, 0.0]])
+    s, vecs = linalg.safe_psd_eigh(psd + skew)  # the skew part is ignored
+    np.testing.assert_allclose(jnp.sort(s), [0.0, 1.0, 2.0], atol=1e-12)
+    assert float(jnp.min(s)) == 0.0
+    np.testing.assert_allclose((vecs * s) @ vecs.T, psd, atol=2e-9)
+    ev = linalg.safe_eigvalsh(psd + skew)
+    assert float(jnp.min(ev)) == 0.0
+    np.testing.assert_allclose(jnp.sort(ev), [0.0, 1.0, 2.0], atol=1e-12)
