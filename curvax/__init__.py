@@ -58,6 +58,22 @@ from curvax.losses import (
 )
 from curvax.optimizer import Optimizer
 from curvax.patterns import GraphPattern
+from curvax.layers.conv import (
+    Conv2DDiagonal,
+    Conv2DFull,
+    Conv2DTwoKroneckerFactored,
+    ConvDiagonal,
+    ConvFull,
+    ConvGroupedTwoKroneckerFactored,
+    ConvTwoKroneckerFactored,
+    patches_moments,
+    patches_moments_explicit,
+    register_conv1d,
+    register_conv2d,
+    register_conv3d,
+)
+from curvax.layers.embedding import EmbeddingKroneckerFactored, register_embedding
+from curvax.layers.scale_and_shift import ScaleAndShiftDiagonal, ScaleAndShiftFull, register_scale_and_shift
 from curvax.tags import LayerTag, LayerTagEqn, LossTag, register_dense, register_generic
 from curvax.transforms import (
     ProcessedJaxpr,
@@ -75,6 +91,23 @@ tag_graph_matcher = patterns  # kfac-jax's module name for the pattern API
 __all__ = [
     "layers",
     "GraphPattern",
+    "Conv2DDiagonal",
+    "Conv2DFull",
+    "Conv2DTwoKroneckerFactored",
+    "ConvDiagonal",
+    "ConvFull",
+    "ConvGroupedTwoKroneckerFactored",
+    "ConvTwoKroneckerFactored",
+    "patches_moments",
+    "patches_moments_explicit",
+    "register_conv1d",
+    "register_conv2d",
+    "register_conv3d",
+    "EmbeddingKroneckerFactored",
+    "register_embedding",
+    "ScaleAndShiftDiagonal",
+    "ScaleAndShiftFull",
+    "register_scale_and_shift",
     "patterns",
     "tag_graph_matcher",
     "BlockDiagonalCurvature",

@@ -665,33 +665,92 @@ class NaiveDiagonal(Diagonal):
 # ----------------------------------------------------------------------------------
 
 
+def kernel_axes(meta: Mapping[str, Any] | None, w_shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The (input, output) axes of a dense kernel, or ``None`` for a plain ``(-1, last)`` reshape.
+
+    ``meta["kernel_layout"]`` is ``"io"`` (``(d_in, d_out)``), ``"oi"`` or
+    ``"general"`` with ``kernel_in_axes``/``kernel_out_axes`` (multi-axis kernels
+    such as ``(d, heads, head_dim)``); the kernel is then the matrix
+    ``transpose(w, in_axes + out_axes).reshape(prod(in), prod(out))``.
+    """
+    meta = meta or {}
+    layout = meta.get("kernel_layout", "io")
+    if layout == "general":
+        return tuple(meta["kernel_in_axes"]), tuple(meta["kernel_out_axes"])
+    if layout == "oi" and len(w_shape) == 2:
+        return (1,), (0,)
+    return None
+
+
+def kernel_to_matrix(w: Any, axes: tuple[tuple[int, ...], tuple[int, ...]] | None) -> Any:
+    """A kernel as its ``(inputs, outputs)`` matrix (works for numpy and jax arrays)."""
+    if axes is None:
+        return w.reshape(-1, w.shape[-1])
+    ins, outs = axes
+    d_in = int(np.prod([w.shape[i] for i in ins], dtype=int))
+    return w.transpose(ins + outs).reshape(d_in, -1)
+
+
+def matrix_to_kernel(m: Any, axes: tuple[tuple[int, ...], tuple[int, ...]] | None, w_shape: Sequence[int]) -> Any:
+    """Inverse of ``kernel_to_matrix`` (leading batch axes of ``m`` are kept)."""
+    lead = m.shape[:-2]
+    if axes is None:
+        return m.reshape(*lead, *w_shape)
+    ins, outs = axes
+    order = ins + outs
+    permuted = m.reshape(*lead, *(w_shape[i] for i in order))
+    inverse = np.argsort(order)
+    return permuted.transpose(*range(len(lead)), *(len(lead) + int(i) for i in inverse))
+
+
 class _DenseLayerMixin:
     """Shape bookkeeping for ``y = x @ W (+ b)`` with ``W`` stored "io" or "oi"."""
 
     def _check_dense(self) -> None:
         shapes = self.parameters_shapes  # type: ignore[attr-defined]
         name = self.name  # type: ignore[attr-defined]
-        if len(shapes) not in (1, 2) or len(shapes[0]) != 2:
-            raise ValueError(f"{name}: a dense layer needs a 2-D weight and an optional bias, got shapes {shapes}.")
         layout = self.kernel_layout
-        if layout not in ("io", "oi"):
-            raise ValueError(f"{name}: meta['kernel_layout'] must be 'io' or 'oi', got {layout!r}.")
-        if len(shapes) == 2 and shapes[1] != (self.dense_out_dim,):
-            raise ValueError(f"{name}: the bias must have shape ({self.dense_out_dim},), got {shapes[1]}.")
+        if layout not in ("io", "oi", "general"):
+            raise ValueError(f"{name}: meta['kernel_layout'] must be 'io', 'oi' or 'general', got {layout!r}.")
+        if len(shapes) not in (1, 2) or (len(shapes[0]) != 2 and layout != "general"):
+            raise ValueError(f"{name}: a dense layer needs a 2-D weight and an optional bias, got shapes {shapes}.")
+        if layout == "general":
+            ins, outs = self._kernel_axes  # type: ignore[misc]
+            if sorted(ins + outs) != list(range(len(shapes[0]))) or not ins or not outs:
+                raise ValueError(
+                    f"{name}: meta kernel_in_axes {ins} and kernel_out_axes {outs} must split the axes of the "
+                    f"weight of shape {shapes[0]}."
+                )
+        if len(shapes) == 2 and math.prod(shapes[1]) != self.dense_out_dim:
+            raise ValueError(f"{name}: the bias must have {self.dense_out_dim} entries, got shape {shapes[1]}.")
 
     @property
     def kernel_layout(self) -> str:
         return (self._layer_tag_eq.meta or {}).get("kernel_layout", "io")  # type: ignore[attr-defined]
 
     @property
+    def _kernel_axes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        w = self.parameters_shapes[0]  # type: ignore[attr-defined]
+        return kernel_axes(self._layer_tag_eq.meta, w) or ((0,), (1,))  # type: ignore[attr-defined]
+
+    @property
     def dense_in_dim(self) -> int:
         w = self.parameters_shapes[0]  # type: ignore[attr-defined]
-        return w[0] if self.kernel_layout == "io" else w[1]
+        return math.prod(w[i] for i in self._kernel_axes[0])
 
     @property
     def dense_out_dim(self) -> int:
         w = self.parameters_shapes[0]  # type: ignore[attr-defined]
-        return w[1] if self.kernel_layout == "io" else w[0]
+        return math.prod(w[i] for i in self._kernel_axes[1])
+
+    def _from_matrix(self, m: Array) -> Array:
+        """An ``(..., d_in, d_out)`` array as ``(..., *weight_shape)``."""
+        w = self.parameters_shapes[0]  # type: ignore[attr-defined]
+        return matrix_to_kernel(m, kernel_axes(self._layer_tag_eq.meta, w), w)  # type: ignore[attr-defined]
+
+    def _bias_like(self, v: Array) -> Array:
+        """An ``(..., d_out)`` array as ``(..., *bias_shape)``."""
+        return v.reshape(*v.shape[:-1], *self.parameters_shapes[1])  # type: ignore[attr-defined]
 
     def _dense_data(self, estimation_data: Mapping[str, Sequence[Array]]) -> tuple[Array, Array]:
         name = self.name  # type: ignore[attr-defined]
@@ -718,10 +777,9 @@ class _DenseLayerMixin:
         dy3 = _per_example(dy, self.dense_out_dim, "outputs_tangent[0]")
         if x3.shape[:2] != dy3.shape[:2]:
             raise ValueError(f"{self.name}: inputs {x.shape} and output tangents {dy.shape} disagree on leading axes.")  # type: ignore[attr-defined]
-        spec = "bti,bto->bio" if self.kernel_layout == "io" else "bti,bto->boi"
-        grads = (jnp.einsum(spec, x3, dy3),)
+        grads = (self._from_matrix(jnp.einsum("bti,bto->bio", x3, dy3)),)
         if len(self.parameters_shapes) == 2:  # type: ignore[attr-defined]
-            grads += (jnp.sum(dy3, axis=1),)
+            grads += (self._bias_like(jnp.sum(dy3, axis=1)),)
         return grads
 
 
@@ -739,12 +797,9 @@ class DenseDiagonal(_DenseLayerMixin, Diagonal):
     def _diagonals_from_data(self, estimation_data, batch_size):
         x, dy = self._dense_data(estimation_data)
         if x.ndim == 2 and dy.ndim == 2:
-            w = (jnp.square(x).T @ jnp.square(dy)) / batch_size
-            if self.kernel_layout == "oi":
-                w = w.T
-            out = (w,)
+            out = (self._from_matrix((jnp.square(x).T @ jnp.square(dy)) / batch_size),)
             if len(self.parameters_shapes) == 2:
-                out += (jnp.sum(jnp.square(dy), axis=0) / batch_size,)
+                out += (self._bias_like(jnp.sum(jnp.square(dy), axis=0) / batch_size),)
             return out
         return tuple(jnp.sum(jnp.square(g), axis=0) / batch_size for g in self._per_example_grads(x, dy))
 
@@ -993,10 +1048,7 @@ class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
     # --- parameters <-> V -------------------------------------------------------------
 
     def _params_to_array(self, params: Sequence[Any], xp: Any) -> Any:
-        w = params[0]
-        if (self._layer_tag_eq.meta or {}).get("kernel_layout", "io") == "oi" and w.ndim == 2:
-            w = w.T
-        w = w.reshape(-1, w.shape[-1])
+        w = kernel_to_matrix(params[0], kernel_axes(self._layer_tag_eq.meta, params[0].shape))
         if self.has_bias:
             w = xp.concatenate([w, params[1].reshape(1, -1)], axis=0)
         return w
@@ -1009,9 +1061,7 @@ class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
         """Inverse of ``parameters_shaped_list_to_array``."""
         shapes = self.parameters_shapes
         w_rows = array[:-1] if self.has_bias else array
-        oi = (self._layer_tag_eq.meta or {}).get("kernel_layout", "io") == "oi" and len(shapes[0]) == 2
-        w = w_rows.T.reshape(shapes[0]) if oi else w_rows.reshape(shapes[0])
-        out = (w,)
+        out = (matrix_to_kernel(w_rows, kernel_axes(self._layer_tag_eq.meta, shapes[0]), shapes[0]),)
         if self.has_bias:
             out += (array[-1].reshape(shapes[1]),)
         return out
@@ -1411,8 +1461,8 @@ class NaiveTNT(_TwoFactorTNT):
 
     def _last_axis(self) -> int:
         w = self.parameters_shapes[0]
-        oi = (self._layer_tag_eq.meta or {}).get("kernel_layout", "io") == "oi" and len(w) == 2
-        return w[0] if oi else w[-1]
+        axes = kernel_axes(self._layer_tag_eq.meta, w)
+        return w[-1] if axes is None else math.prod(w[i] for i in axes[1])
 
     def input_size(self) -> int:
         return int(math.prod(self.parameters_shapes[0])) // self._last_axis() + int(self.has_bias)

@@ -95,18 +95,38 @@ def bias_maps_to_feature_axis(program: Program, chain: Sequence[int], bias_key: 
     size = int(np.prod(d, dtype=int))
     val: Any = np.arange(1, size + 1, dtype=np.float32).reshape(d)
     try:
-        for idx in chain:
-            node = program.nodes[idx]
-            params = dict(node.params)
-            if node.primitive.name == "convert_element_type":
-                params["new_dtype"] = np.float32
-            val = np.asarray(node.primitive.bind(val, **params))
+        with jax.ensure_compile_time_eval():  # detection may itself run under a jax transformation
+            for idx in chain:
+                node = program.nodes[idx]
+                params = dict(node.params)
+                if node.primitive.name == "convert_element_type":
+                    params["new_dtype"] = np.float32
+                val = np.asarray(node.primitive.bind(val, **params))
         got = np.broadcast_to(val, out_shape)
     except Exception:  # noqa: BLE001 - any failure means "not a bias"
         return False
     base = np.arange(1, size + 1, dtype=np.float32).reshape(want_shape + (1,) * (len(out_shape) - len(axes)))
     want = np.broadcast_to(np.moveaxis(base, tuple(range(len(axes))), axes), out_shape)
     return bool(np.array_equal(got, want))
+
+
+def param_through_casts(program: Program, ctx: Context, atom: Any) -> tuple[Any, list[int]]:
+    """``atom``, or the matchable parameter it is a dtype cast of (with the cast nodes).
+
+    Mixed precision casts parameters before use (e.g. float32 weights in a float64
+    or bfloat16 computation); the layer is still the parameter's.
+    """
+    chain: list[int] = []
+    cur = atom
+    while not isinstance(cur, Lit) and cur not in ctx.matchable_params:
+        idx = program.producer.get(cur)
+        if idx is None or program.nodes[idx].primitive.name != "convert_element_type":
+            return atom, []
+        if len(ctx.consumers(program, cur)) != 1 and chain:
+            return atom, []
+        chain.append(idx)
+        cur = program.nodes[idx].inputs[0]
+    return (cur, chain) if chain and not isinstance(cur, Lit) else (atom, [])
 
 
 def match_dense(program: Program, idx: int, ctx: Context) -> Match | None:
@@ -123,12 +143,13 @@ def match_dense(program: Program, idx: int, ctx: Context) -> Match | None:
     (lc, rc), (lb, rb) = node.params["dimension_numbers"]
     if lb or rb or not lc:
         return None
-    a, b = node.inputs
+    (a, a_casts), (b, b_casts) = (param_through_casts(program, ctx, v) for v in node.inputs)
     a_is_p = not isinstance(a, Lit) and a in ctx.matchable_params
     b_is_p = not isinstance(b, Lit) and b in ctx.matchable_params
     if a_is_p == b_is_p:
         return None
     w, x = (a, b) if a_is_p else (b, a)
+    casts = a_casts if a_is_p else b_casts
     w_shape = tuple(program.avals[w].shape)
     if isinstance(x, Lit) or len(w_shape) < 2:
         return None
@@ -158,7 +179,7 @@ def match_dense(program: Program, idx: int, ctx: Context) -> Match | None:
             "output_feature_axis": out_axes,
         }
     y = node.outputs[0]
-    nodes = {idx}
+    nodes = {idx, *casts}
     params: tuple[Key, ...] = (w,)
     output: Key = y
     pattern = "dense_no_bias"

@@ -488,6 +488,8 @@ class Optimizer:
 
         # 4. Preconditioned gradient.
         precon = est.multiply_matpower(est_state, grads, identity_weight, -1, self._use_exact_inverses, use_cached)
+        # Blocks may hold statistics in a wider dtype than the parameters: come back to the parameters' dtypes.
+        precon = jax.tree_util.tree_map(lambda v, p: v.astype(jnp.result_type(p)), precon, params)
 
         # 5. Coefficients.
         lr = self._schedule_value(self._lr_schedule, lr_arg, step)
@@ -532,8 +534,10 @@ class Optimizer:
         # not reach the parameters: skip the update instead. One scalar decides.
         finite = jnp.isfinite(utils.inner_product(precon, grads)) & jnp.all(jnp.isfinite(coeffs))
         coeffs = jnp.where(finite, coeffs, 0.0)
+        # The coefficients may be wider than the parameters (float32 weights, float64 data): keep each leaf's dtype.
         delta = jax.tree_util.tree_map(
-            lambda a, b: jnp.where(finite, coeffs[0] * a + coeffs[1] * b, 0.0), precon, state.velocities
+            lambda a, b: jnp.where(finite, coeffs[0] * a + coeffs[1] * b, 0.0).astype(jnp.result_type(a)),
+            precon, state.velocities,
         )
         new_params = utils.tree_add(params, delta)
 

@@ -6,3 +6,7 @@ its curvature blocks (registered with ``blocks.set_default_tag_to_block_ctor``).
 Importing this package registers them all; a new layer kind is one new module
 here plus one import line below.
 """
+
+from curvax.layers import conv, embedding, scale_and_shift
+
+__all__ = ["conv", "embedding", "scale_and_shift"]

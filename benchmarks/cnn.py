@@ -1,0 +1,183 @@
+"""Benchmark: curvax K-FAC on an MNIST CNN against Optax Adam, and first-step times per framework.
+
+Part 1 (one run, one machine, so the ratios are meaningful): a small CNN
+(conv 5x5x16, pool, conv 5x5x32, pool, dense) classifying real MNIST digits,
+full batch; per-step time of curvax (adaptive) vs Adam, first step, and steps
+and seconds to a target training loss. Part 2: for the CNN of every framework in
+``tests/zoo.py``, the time of curvax's first step (trace + layer detection +
+compile + run) next to Adam's.
+
+Writes JSON (``--output``). ``--quick`` is a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import curvax
+from curvax import datasets
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from autoencoder import machine_info, measure  # noqa: E402  (shared benchmark helpers)
+
+CHANNELS = (16, 32)
+
+
+def init_params(key: jax.Array) -> dict[str, Any]:
+    k = jax.random.split(key, 3)
+    he = lambda kk, shape, fan_in: jax.random.normal(kk, shape) * np.sqrt(2.0 / fan_in)
+    return {
+        "conv1": {"w": he(k[0], (5, 5, 1, CHANNELS[0]), 25), "b": jnp.zeros(CHANNELS[0])},
+        "conv2": {"w": he(k[1], (5, 5, CHANNELS[0], CHANNELS[1]), 25 * CHANNELS[0]), "b": jnp.zeros(CHANNELS[1])},
+        "out": {"w": he(k[2], (7 * 7 * CHANNELS[1], 10), 7 * 7 * CHANNELS[1]) / 4, "b": jnp.zeros(10)},
+    }
+
+
+def _conv_relu_pool(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    y = jax.lax.conv_general_dilated(x, p["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")) + p["b"]
+    y = jax.nn.relu(y)
+    b, h, w, c = y.shape
+    return y.reshape(b, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
+
+
+def loss_fn(params: dict[str, Any], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    x, labels = batch
+    h = _conv_relu_pool(_conv_relu_pool(x, params["conv1"]), params["conv2"])
+    logits = h.reshape(h.shape[0], -1) @ params["out"]["w"] + params["out"]["b"]
+    curvax.register_softmax_cross_entropy_loss(logits, labels)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+
+def adam_runner(batch: Any, lr: float, seed: int) -> tuple[Any, Any]:
+    tx = optax.adam(lr)
+    params = init_params(jax.random.PRNGKey(seed))
+
+    @jax.jit
+    def step(carry: Any) -> tuple[Any, jax.Array]:
+        params, opt_state = carry
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return step, (params, tx.init(params))
+
+
+def kfac_runner(batch: Any, seed: int, value_and_grad: Any = None, params: Any = None) -> tuple[Any, Any]:
+    opt = curvax.Optimizer(
+        value_and_grad_func=value_and_grad or jax.value_and_grad(loss_fn),
+        l2_reg=1e-5, use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
+        initial_damping=1.0, num_burnin_steps=2, inverse_update_period=5,
+    )
+    params = init_params(jax.random.PRNGKey(seed)) if params is None else params
+    rng = jax.random.PRNGKey(seed + 1)
+    state = opt.init(params, rng, batch)
+    counter = itertools.count()
+
+    def step(carry: Any) -> tuple[Any, jax.Array]:
+        params, state = carry
+        i = next(counter)
+        params, state, stats = opt.step(params, state, jax.random.fold_in(rng, i), batch=batch, global_step_int=i)
+        return (params, state), stats["loss"]
+
+    return step, (params, state)
+
+
+def framework_first_steps(seed: int) -> dict[str, Any]:
+    """curvax vs Adam first step (trace, detection, compile, run) on each framework's CNN."""
+    import warnings
+
+    import zoo
+
+    out = {}
+    for name, build in zoo.BUILDERS["cnn"].items():
+        loss, params, batch = build(jax.random.PRNGKey(seed))
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step, carry = kfac_runner(batch, seed, jax.value_and_grad(loss), params)
+            jax.block_until_ready(step(carry))
+        kfac_s = time.perf_counter() - t0
+        tx = optax.adam(1e-3)
+        t0 = time.perf_counter()
+        grads = jax.jit(jax.grad(loss))(params, batch)
+        jax.block_until_ready(tx.update(grads, tx.init(params), params))
+        out[name] = {"curvax_first_step_s": kfac_s, "adam_first_step_s": time.perf_counter() - t0}
+        print(f"  {name:11s} curvax first step {kfac_s:5.2f}s   Adam {out[name]['adam_first_step_s']:5.2f}s", flush=True)
+    return out
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-images", type=int, default=1000, help="full-batch size (default 1000)")
+    p.add_argument("--target-loss", type=float, default=0.3, help="training loss to reach (default 0.3)")
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--timed-steps", type=int, default=15)
+    p.add_argument("--max-steps", type=int, default=500)
+    p.add_argument("--budget", type=float, default=90.0, help="seconds per optimizer, setup included")
+    p.add_argument("--adam-lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--output", default="benchmarks/results/cnn.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_images, args.warmup_steps, args.timed_steps, args.max_steps, args.budget = 64, 1, 2, 5, 20.0
+        args.adam_lrs = [1e-3]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    x = datasets.load_mnist_images(args.num_images).reshape(-1, 28, 28, 1)
+    batch = (jnp.asarray(x), jnp.asarray(datasets.load_mnist_labels(args.num_images)))
+    print(f"MNIST CNN, {args.num_images} images full batch, target loss {args.target_loss:g}", flush=True)
+    results: dict[str, Any] = {}
+    runs = [(f"adam_lr{lr:g}", lambda lr=lr: adam_runner(batch, lr, args.seed)) for lr in args.adam_lrs]
+    runs.append(("curvax_adaptive", lambda: kfac_runner(batch, args.seed)))
+    for name, make in runs:
+        t0 = time.perf_counter()
+        step, carry = make()
+        setup = time.perf_counter() - t0
+        r = results[name] = measure(step, carry, setup, args.warmup_steps, args.timed_steps, args.max_steps,
+                                    args.budget, args.target_loss)
+        print(f"{name:16s} first step {r['first_step_s']:6.2f}s  step median {r['step_median_s'] * 1e3:7.1f}ms  "
+              f"final loss {r['final_loss']:.3f} after {r['steps_run']} steps  "
+              f"target: {r['steps_to_target']} steps / {r['seconds_to_target']} s", flush=True)
+    adam = [n for n in results if n.startswith("adam")]
+    adam_step = float(np.median([results[n]["step_median_s"] for n in adam]))
+    reached = [n for n in adam if results[n]["seconds_to_target"] is not None]
+    best = min(reached, key=lambda n: results[n]["seconds_to_target"]) if reached else None
+    k = results["curvax_adaptive"]
+    summary = {
+        "adam_step_median_s": adam_step,
+        "curvax_step_ratio_median": k["step_median_s"] / adam_step,
+        "curvax_first_step_s": k["first_step_s"],
+        "curvax_seconds_to_target": k["seconds_to_target"],
+        "best_adam": best,
+        "best_adam_seconds_to_target": results[best]["seconds_to_target"] if best else None,
+    }
+    print("first step per framework (tests/zoo.py CNN):", flush=True)
+    frameworks = framework_first_steps(args.seed)
+    out = {"benchmark": "mnist_cnn", "machine": machine_info(), "settings": vars(args), "summary": summary,
+           "results": results, "framework_first_steps": frameworks}
+    path = Path(args.output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
