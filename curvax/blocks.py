@@ -57,6 +57,7 @@ __all__ = [
     "TwoKroneckerFactored",
     "KroneckerFactored",
     "DenseTwoKroneckerFactored",
+    "DenseTwoKroneckerFactoredReduce",
     "EigenvalueCorrectedKroneckerFactored",
     "DenseEigenvalueCorrected",
     "NaiveTNT",
@@ -1250,6 +1251,41 @@ class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
             mean = jnp.sum(x, axis=0) / n
             a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), dtype)]])
         g = (dy.T @ dy) / batch_size
+        state = _copy_state(state)
+        state.inputs_factor.update(a, ema_old, ema_new)
+        state.outputs_factor.update(g, ema_old, ema_new)
+        return state
+
+
+class DenseTwoKroneckerFactoredReduce(DenseTwoKroneckerFactored):
+    """K-FAC-reduce (Eschenhagen et al. 2023) for dense layers shared over positions.
+
+    With inputs ``(B, T, d)``: ``A = (1/B) sum_n xbar_n xbar_n^T`` with ``xbar_n``
+    the mean of example n's (bias-augmented) inputs over positions, and
+    ``G = (1/B) sum_n s_n s_n^T`` with ``s_n`` the sum of its output gradients.
+    Exact for one example when the positions are averaged before the loss (mean
+    pooling), where the default KFAC-expand is not. Select it per optimizer or
+    estimator with ``layer_tag_to_block_ctor={"dense": DenseTwoKroneckerFactoredReduce}``
+    (or per layer with ``index_to_block_ctor``). For 2-D inputs it equals the default.
+    """
+
+    def update_curvature_matrix_estimate(
+        self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
+    ):
+        del pmap_axis_name
+        x, dy = self._dense_data(estimation_data)
+        dtype = self.dtype
+        x3 = _per_example(x, self.dense_in_dim, "inputs[0]").astype(dtype)
+        dy3 = _per_example(dy, self.dense_out_dim, "outputs_tangent[0]").astype(dtype)
+        if x3.shape[:2] != dy3.shape[:2]:
+            raise ValueError(f"{self._name}: inputs {x.shape} and output tangents {dy.shape} disagree on leading axes.")
+        xbar, s = jnp.mean(x3, axis=1), jnp.sum(dy3, axis=1)
+        n = xbar.shape[0]
+        a = (xbar.T @ xbar) / n
+        if self.has_bias:
+            mean = jnp.sum(xbar, axis=0) / n
+            a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), dtype)]])
+        g = (s.T @ s) / batch_size
         state = _copy_state(state)
         state.inputs_factor.update(a, ema_old, ema_new)
         state.outputs_factor.update(g, ema_old, ema_new)

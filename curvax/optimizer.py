@@ -485,6 +485,10 @@ class Optimizer:
                 lambda s: s,
                 est_state,
             )
+        else:
+            # Powers are computed from the statistics directly; blocks that keep other derived
+            # state in their cache (EKFAC's eigenbasis) still refresh it every step.
+            est_state = est.update_cache(est_state, identity_weight, None, None, False)
 
         # 4. Preconditioned gradient.
         precon = est.multiply_matpower(est_state, grads, identity_weight, -1, self._use_exact_inverses, use_cached)

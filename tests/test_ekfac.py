@@ -214,3 +214,27 @@ def test_errors():
     state.cache = None
     with pytest.raises(ValueError, match="eigenbasis"):
         block.multiply(state, random_vector(block), 0.1, True, True)
+
+
+def test_optimizer_refreshes_the_ekfac_basis_when_inverses_are_not_cached():
+    """With inverse_update_period=1 the optimizer still calls update_cache, so EKFAC gets its basis."""
+
+    def loss(p, b):
+        y = jnp.tanh(b[0] @ p["w1"]) @ p["w2"]
+        curvax.register_squared_error_loss(y, b[1])
+        return jnp.sum((y - b[1]) ** 2) / b[0].shape[0]
+
+    k = jax.random.split(jax.random.PRNGKey(3), 4)
+    params = {"w1": jax.random.normal(k[0], (3, 4)), "w2": jax.random.normal(k[1], (4, 2))}
+    data = (jax.random.normal(k[2], (8, 3)), jax.random.normal(k[3], (8, 2)))
+    opt = curvax.Optimizer(
+        value_and_grad_func=jax.value_and_grad(loss), l2_reg=0.0, inverse_update_period=1, num_burnin_steps=0,
+        layer_tag_to_block_ctor={"dense": curvax.DenseEigenvalueCorrected},
+        learning_rate_schedule=lambda s: 0.1, momentum_schedule=lambda s: 0.0, damping_schedule=lambda s: 1.0,
+    )
+    state = opt.init(params, jax.random.PRNGKey(0), data)
+    params, state, _ = opt.step(params, state, jax.random.PRNGKey(1), batch=data, global_step_int=None)
+    cache = state.estimator_state.blocks_states[0].cache
+    q = cache["inputs_factor_eigen_vectors"]
+    assert not np.allclose(np.asarray(q), np.eye(q.shape[0]))
+    np.testing.assert_allclose(np.asarray(q.T @ q), np.eye(q.shape[0]), atol=1e-8)

@@ -176,3 +176,24 @@ def test_optimizer_trains_a_model_with_tied_weights():
         params, state, stats = opt.step(params, state, KEY, batch=data, global_step_int=None)
         first = float(stats["loss"]) if first is None else first
     assert float(stats["loss"]) < 0.1 * first
+
+
+def test_kfac_reduce_is_exact_after_mean_pooling():
+    loss, params, data = problem(MeanPooled, 1)
+    est, state = estimate(loss, params, data, layer_tag_to_block_ctor={"dense": curvax.DenseTwoKroneckerFactoredReduce})
+    np.testing.assert_allclose(est.to_dense_matrix(state), ggn_oracle(MeanPooled, params, data), rtol=1e-8, atol=1e-10)
+
+
+def test_kfac_reduce_factors_match_their_definition():
+    """A = mean_n xbar xbar^T (bias-augmented), G = (1/B) sum_n s_n s_n^T with s_n = sum_t dy_nt."""
+    loss, params, data = problem(PerPosition, 3)
+    x, t = data
+    est, state = estimate(loss, params, data, "fisher_empirical",
+                          layer_tag_to_block_ctor={"dense": curvax.DenseTwoKroneckerFactoredReduce})
+    st = state.blocks_states[0]
+    xbar = jnp.concatenate([x.mean(1), jnp.ones((3, 1))], axis=1)
+    np.testing.assert_allclose(st.inputs_factor.value, xbar.T @ xbar / 3, rtol=1e-10)
+    # Empirical Fisher cotangent of (1/B) sum ||y - t||^2 w.r.t. the outputs is 2 (y - t) (sqrt-scaled per example).
+    y = PerPosition.model(params, x)
+    s = jax.vmap(lambda yy, tt: jax.grad(lambda z: PerPosition.loss(z, tt))(yy).sum(0))(y, t)
+    np.testing.assert_allclose(st.outputs_factor.value, s.T @ s / 3, rtol=1e-8)
