@@ -239,7 +239,7 @@ def haiku_cnn(key):
     import haiku as hk
 
     def fn(x):
-        h = hk.avg_pool(jax.nn.relu(hk.Conv2D(C, 3)(x)), 2, 2, "VALID")
+        h = hk.avg_pool(jax.nn.relu(hk.Conv2D(C, 3)(x)), (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
         return hk.Linear(CLASSES)(h.reshape(h.shape[0], -1))
 
     return _haiku(fn, key, _images(key))
@@ -265,7 +265,7 @@ def haiku_resnet(key):
     def fn(x):
         h = hk.Conv2D(C, 3)(x)
         r = hk.Conv2D(C, 3)(jax.nn.relu(hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(h)))
-        h = hk.avg_pool(h + r, 2, 2, "VALID")
+        h = hk.avg_pool(h + r, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
         return hk.Linear(CLASSES)(h.reshape(h.shape[0], -1))
 
     return _haiku(fn, key, _images(key))
