@@ -1,7 +1,7 @@
 """Benchmark: curvax K-FAC on an MNIST CNN against Optax Adam, and first-step times per framework.
 
 Part 1 (one run, one machine, so the ratios are meaningful): a small CNN
-(conv 5x5x16, pool, conv 5x5x32, pool, dense) classifying real MNIST digits,
+(conv 3x3x16, pool, conv 3x3x32, pool, dense) classifying real MNIST digits,
 full batch; per-step time of curvax (adaptive) vs Adam, first step, and steps
 and seconds to a target training loss. Part 2: for the CNN of every framework in
 ``tests/zoo.py``, the time of curvax's first step (trace + layer detection +
@@ -39,8 +39,8 @@ def init_params(key: jax.Array) -> dict[str, Any]:
     k = jax.random.split(key, 3)
     he = lambda kk, shape, fan_in: jax.random.normal(kk, shape) * np.sqrt(2.0 / fan_in)
     return {
-        "conv1": {"w": he(k[0], (5, 5, 1, CHANNELS[0]), 25), "b": jnp.zeros(CHANNELS[0])},
-        "conv2": {"w": he(k[1], (5, 5, CHANNELS[0], CHANNELS[1]), 25 * CHANNELS[0]), "b": jnp.zeros(CHANNELS[1])},
+        "conv1": {"w": he(k[0], (3, 3, 1, CHANNELS[0]), 9), "b": jnp.zeros(CHANNELS[0])},
+        "conv2": {"w": he(k[1], (3, 3, CHANNELS[0], CHANNELS[1]), 9 * CHANNELS[0]), "b": jnp.zeros(CHANNELS[1])},
         "out": {"w": he(k[2], (7 * 7 * CHANNELS[1], 10), 7 * 7 * CHANNELS[1]) / 4, "b": jnp.zeros(10)},
     }
 

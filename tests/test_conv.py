@@ -552,3 +552,25 @@ def test_kfac_trains_a_small_cnn_on_mnist_faster_than_sgd():
         sgd_losses.append(float(value(q, batch)))
     initial = float(value(params, batch))
     assert min(sgd_losses) < initial and kfac_loss < 0.5 * min(sgd_losses)
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("max_elements", [2**23, 200])
+def test_kfc_patch_statistics_equal_patches_moments_with_and_without_chunking(layout, max_elements):
+    """The KFC block's fast patch Gram (explicit, batch-chunked) equals ``patches_moments``."""
+    from curvax.layers import conv as conv_lib
+
+    x = jax.random.normal(jax.random.PRNGKey(5), (6, 5, 5, 3) if layout == "NHWC" else (6, 3, 5, 5))
+    dn = (layout, "HWIO", layout)
+    spec = conv_lib.resolve_conv_spec(
+        x.shape, (2, 2, 3, 4), window_strides=(2, 1), padding="SAME", rhs_dilation=(1, 2), dimension_numbers=dn,
+    )
+    want_m, want_v = curvax.patches_moments(x, (2, 2), (2, 1), "SAME", None, dn, kernel_dilation=(1, 2))
+    old = curvax.blocks.get_max_parallel_elements()
+    curvax.blocks.set_max_parallel_elements(max_elements)
+    try:
+        m, v = conv_lib._patch_gram(x, spec, (2, 2), 3)
+    finally:
+        curvax.blocks.set_max_parallel_elements(old)
+    np.testing.assert_allclose(m, want_m.reshape(12, 12), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(v, want_v.reshape(12), rtol=1e-10, atol=1e-10)

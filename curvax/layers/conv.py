@@ -494,6 +494,42 @@ def patches_moments_explicit(
     return matrix, vector
 
 
+def _patch_gram(x: Array, spec: ConvSpec, k_sp: Sequence[int], c: int) -> tuple[Array, Array]:
+    """``(sum p p^T, sum p)`` over all patches, as a ``(k*C, k*C)`` matrix in (offset, channel) order.
+
+    The fast path used by the KFC block: patches are extracted explicitly (one
+    ``conv_general_dilated_patches``) and multiplied as one 2-D matmul in the
+    (channel, offset) order they come in; only the small result is permuted. When
+    the patches of the whole batch exceed ``get_max_parallel_elements()`` values,
+    the batch is processed in equal chunks with ``lax.map``.
+    """
+    k = math.prod(k_sp)
+    d = k * c
+    batch_axis = spec.dimension_numbers.lhs_spec[0]
+    n = x.shape[batch_axis]
+
+    def moments(xc: Array) -> tuple[Array, Array]:
+        patches = lax.conv_general_dilated_patches(
+            xc, tuple(k_sp), spec.window_strides, spec.padding, spec.lhs_dilation, spec.rhs_dilation,
+            spec.dimension_numbers, spec.precision,
+        )
+        p = _canonical_out(patches, spec).reshape(-1, d)  # features (channel, offset)
+        return jnp.matmul(p.T, p, precision=spec.precision), jnp.sum(p, axis=0)
+
+    per_example = d * math.prod(_out_shape(spec, x, k_sp)) // max(n, 1)
+    chunk = max(1, blocks.get_max_parallel_elements() // max(per_example, 1))
+    if chunk >= n:
+        m, v = moments(x)
+    else:
+        size = max(i for i in range(1, chunk + 1) if n % i == 0)
+        xs = jnp.moveaxis(x, batch_axis, 0).reshape(n // size, size, *np.delete(x.shape, batch_axis))
+        ms, vs = lax.map(lambda xc: moments(jnp.moveaxis(xc, 0, batch_axis)), xs)
+        m, v = jnp.sum(ms, axis=0), jnp.sum(vs, axis=0)
+    # (channel, offset) -> (offset, channel)
+    m = m.reshape(c, k, c, k).transpose(1, 0, 3, 2).reshape(d, d)
+    return m, v.reshape(c, k).T.reshape(d)
+
+
 def _out_shape(spec: ConvSpec, inputs: Array, k_sp: Sequence[int]) -> tuple[int, ...]:
     c = inputs.shape[spec.dimension_numbers.lhs_spec[1]]
     w = jax.ShapeDtypeStruct(_kernel_shape(spec, k_sp, 1, c), inputs.dtype)
@@ -760,13 +796,10 @@ class ConvTwoKroneckerFactored(_ConvMixin, blocks.TwoKroneckerFactored):
         del pmap_axis_name
         x, dy = self._conv_data(estimation_data)
         s = self._spec
-        matrix, vector = patches_moments(
-            x, self.kernel_spatial_shape, s.window_strides, s.padding, None, s.dimension_numbers,
-            s.lhs_dilation, s.rhs_dilation, precision=s.precision,
-        )
+        matrix, vector = _patch_gram(x, s, self.kernel_spatial_shape, self.num_inputs_channels)
         d = self.weights_spatial_size * self.num_inputs_channels
         rows = x.shape[s.dimension_numbers.lhs_spec[0]] * self.num_locations
-        a = matrix.reshape(d, d) / rows
+        a = matrix / rows
         if self.has_bias:
             mean = vector.reshape(d) / rows
             a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), a.dtype)]])
