@@ -8,6 +8,8 @@ here so that a JAX upgrade breaks this file and its tests, not the library.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable, Sequence
 
 import jax
@@ -69,6 +71,32 @@ def sub_closed_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
     if isinstance(j, ClosedJaxpr):
         return j
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanLayout:
+    """How a ``scan`` equation splits its operands, and how it iterates."""
+
+    body: ClosedJaxpr
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+
+def scan_layout(eqn: JaxprEqn) -> ScanLayout | None:
+    """The body and operand layout of a ``lax.scan`` equation, else None.
+
+    Body operands are ``consts + carry + xs``; outputs are ``carry + ys``.
+    """
+    if eqn.primitive.name != "scan":
+        return None
+    p = eqn.params
+    body = p.get("jaxpr")
+    if not isinstance(body, ClosedJaxpr) or "num_consts" not in p or "num_carry" not in p or "length" not in p:
+        return None
+    return ScanLayout(body, int(p["num_consts"]), int(p["num_carry"]), int(p["length"]), bool(p.get("reverse", False)), p.get("unroll", 1))
 
 
 def has_sub_jaxprs(eqn: JaxprEqn) -> bool:

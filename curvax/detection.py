@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from curvax import tags
-from curvax.tracing import Key, LayerSite, LayerUse, Lit, Program, features_last
+from curvax.tracing import Key, LayerSite, LayerUse, Lit, Program, ScanRef, features_last
 
 # Ops that only broadcast/reshape/cast a bias vector on its way to the add.
 _BIAS_PLUMBING = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "expand_dims", "squeeze", "copy"})
@@ -48,6 +48,7 @@ class Match:
     pattern: str
     nodes: frozenset[int]
     extra_uses: tuple[LayerUse, ...] = ()
+    scan: ScanRef | None = None
 
 
 Matcher = Callable[[Program, int, "Context"], "Match | None"]
@@ -326,13 +327,17 @@ def detect_layers(
     register_only_generic: bool = False,
     patterns_to_skip: Sequence[str] = (),
     matchers: Sequence[LayerMatcher] | None = None,
+    param_keys: Sequence[Key] | None = None,
 ) -> Detection:
     """Finds every layer among the live nodes of ``program``.
 
-    Manual tags win; patterns then claim single-use parameters; each remaining
-    parameter gets a generic site. Parameters used several times (weight
-    sharing) are left to the generic block and reported in ``notes``.
-    ``matchers`` replaces the registered layer kinds (tried in the given order).
+    Manual tags win; then layers inside ``lax.scan`` bodies that take parameters
+    directly (detected on the body, recursively with the same rules); patterns
+    then claim single-use parameters; each remaining parameter gets a generic
+    site. Parameters used several times (weight sharing) are pooled when they are
+    tied dense kernels, else left to the generic block and reported in ``notes``.
+    ``matchers`` replaces the registered layer kinds (tried in the given order);
+    ``param_keys`` are the parameter keys in order (default: the program's).
     """
     matchers = registered_matchers() if matchers is None else tuple(matchers)
     known = list(dict.fromkeys([*known_pattern_names(), *(n for m in matchers for n in (m.name, *m.pattern_names))]))
@@ -340,7 +345,9 @@ def detect_layers(
     if unknown:
         raise ValueError(f"patterns_to_skip: unknown pattern names {sorted(unknown)}; known: {known}.")
     skip = set(patterns_to_skip)
-    param_keys = [program.input_keys[i] for i in range(num_params)]
+    if param_keys is None:
+        param_keys = program.param_key_list if len(program.param_key_list) == num_params else program.input_keys[:num_params]
+    param_keys = list(param_keys)
     index_of = {k: i for i, k in enumerate(param_keys)}
     live_set = frozenset(live)
     notes: list[str] = []
@@ -376,6 +383,11 @@ def detect_layers(
     for k, c in use_count.items():
         if c > 1 and k not in claimed:
             notes.append(f"parameter {index_of[k]} is used {c} times (weight sharing); it gets a generic block")
+    if not register_only_generic:
+        for i in live:
+            for m in _scan_matches(program, i, use_count, claimed, patterns_to_skip, matchers, notes, index_of):
+                matches.append(m)
+                claimed.update(m.params)
     matchable = {k for k in param_keys if use_count.get(k, 0) == 1 and k not in claimed}
     ctx = Context(live_set, matchable)
     taken: set[int] = set()
@@ -426,6 +438,7 @@ def detect_layers(
         counts[m.pattern] = n + 1
         kind = "Manual" if m.pattern == "manual" else "Auto"
         label = m.tag.name if m.pattern in ("manual", "generic") else m.pattern
+        where = f"@scan[{m.scan.mode} x{m.scan.length}]" if m.scan is not None else ""
         sites.append(
             LayerSite(
                 tag=m.tag,
@@ -433,12 +446,58 @@ def detect_layers(
                 inputs=m.inputs,
                 param_indices=tuple(index_of[p] for p in m.params),
                 meta=m.meta,
-                name=f"{kind}[{label}({n})]",
+                name=f"{kind}[{label}({n})]{where}",
                 pattern=m.pattern,
                 extra_uses=m.extra_uses,
+                scan=m.scan,
             )
         )
     return Detection(tuple(sites), tuple(notes))
+
+
+def _scan_matches(
+    program: Program,
+    idx: int,
+    use_count: dict[Key, int],
+    claimed: set[Key],
+    patterns_to_skip: Sequence[str],
+    matchers: Sequence[LayerMatcher],
+    notes: list[str],
+    index_of: dict[Key, int],
+) -> list[Match]:
+    """Layers inside the body of the scan at node ``idx``, with outer parameter keys.
+
+    A body layer is kept when each of its parameters is used by this scan only,
+    and all of them are stacked (``xs``) or all shared (constants). Shared layers
+    need a batch axis in each step's values (their steps become positions).
+    """
+    sb = program.nodes[idx].scan
+    if sb is None:
+        return []
+    body = sb.program
+    to_outer = {**sb.stacked, **sb.shared}
+    det = detect_layers(
+        body, body.live_nodes(body.output_atoms), len(body.param_key_list), False, patterns_to_skip, matchers
+    )
+    out: list[Match] = []
+    for site in det.sites:
+        if site.tag is tags.generic:
+            continue
+        okeys = tuple(to_outer[body.param_key_list[j]] for j in site.param_indices)
+        if any(use_count.get(k, 0) != 1 or k in claimed for k in okeys):
+            continue
+        modes = {"stacked" if body.param_key_list[j] in sb.stacked else "shared" for j in site.param_indices}
+        if len(modes) != 1:
+            notes.append(f"parameters {[index_of[k] for k in okeys]} mix scanned and constant operands of a lax.scan")
+            continue
+        mode = modes.pop()
+        if mode == "shared" and any(len(body.avals[u.output].shape) < 2 for u in site.uses):
+            continue
+        ref = ScanRef(idx, mode, sb.length, body)
+        out.append(
+            Match(site.tag, site.output, site.inputs, okeys, dict(site.meta), site.pattern, frozenset(), site.extra_uses, ref)
+        )
+    return out
 
 
 _CONTROL_FLOW = {"scan": "lax.scan", "while": "lax.while_loop", "cond": "lax.cond"}
@@ -452,12 +511,28 @@ def _fallback_reason(program: Program, live: frozenset[int], key: Key, uses: int
         return "not used by the registered losses"
     if uses > 1:
         return f"used {uses} times (weight sharing)"
+    frontier, via = [key], False
+    while len(frontier) == 1:  # follow casts/copies of the parameter to its real use
+        users = [i for i in program.consumers.get(frontier[0], []) if i in live]
+        if len(users) != 1 or program.nodes[users[0]].primitive.name not in _BIAS_PLUMBING:
+            break
+        frontier, via = [k for k in program.nodes[users[0]].outputs if k is not None], True
+    if via and frontier:
+        for i in program.consumers.get(frontier[0], []):
+            name = program.nodes[i].primitive.name
+            if i in live and name in _CONTROL_FLOW:
+                return (
+                    f"passed to {_CONTROL_FLOW[name]} after a cast or reshape; layers are detected inside "
+                    "lax.scan only for parameters passed to it directly (as constants or xs)"
+                )
     for i in program.consumers.get(key, []):
         name = program.nodes[i].primitive.name
+        if i in live and program.nodes[i].scan is not None:
+            return "used inside lax.scan, but no layer pattern in its body uses it"
         if i in live and name in _CONTROL_FLOW:
             return (
-                f"used inside {_CONTROL_FLOW[name]}, where layers are not detected "
-                "(a Python loop instead gives each layer its own block)"
+                f"used inside {_CONTROL_FLOW[name]}, where layers are not detected (only parameters passed "
+                "directly as lax.scan constants or xs are; a Python loop gives each layer its own block)"
             )
     return "no known layer pattern uses it"
 
@@ -465,12 +540,17 @@ def _fallback_reason(program: Program, live: frozenset[int], key: Key, uses: int
 def site_to_tag_eqn(program: Program, site: LayerSite) -> tags.LayerTagEqn:
     """The block-facing description of a layer (shapes, dtypes, meta)."""
 
-    def struct(a: Any) -> jax.ShapeDtypeStruct:
+    def struct_in(prog: Program, a: Any) -> jax.ShapeDtypeStruct:
         if isinstance(a, Lit):
             arr = np.asarray(a.value)
             return jax.ShapeDtypeStruct(arr.shape, arr.dtype)
-        aval = program.avals[a]
+        aval = prog.avals[a]
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+    scan = site.scan
+
+    def struct(a: Any) -> jax.ShapeDtypeStruct:
+        return struct_in(program, a)
 
     def moved(s: jax.ShapeDtypeStruct, axis: Any) -> jax.ShapeDtypeStruct:
         if axis is None or not s.shape:
@@ -483,21 +563,39 @@ def site_to_tag_eqn(program: Program, site: LayerSite) -> tags.LayerTagEqn:
         rows = sum(int(np.prod(s.shape[1:-1], dtype=int)) for s in structs)
         return jax.ShapeDtypeStruct((structs[0].shape[0], rows, structs[0].shape[-1]), structs[0].dtype)
 
-    params = tuple(struct(program.input_keys[i]) for i in site.param_indices)
+    def data(a: Any, axis: Any) -> jax.ShapeDtypeStruct:
+        """A layer input/output as the blocks see it (scan steps: a leading axis, or positions)."""
+        if scan is None:
+            return moved(struct(a), axis)
+        one = moved(struct_in(scan.body, a), axis)
+        if scan.mode == "stacked":
+            return jax.ShapeDtypeStruct((scan.length,) + tuple(one.shape), one.dtype)
+        return jax.ShapeDtypeStruct((one.shape[0], scan.length) + tuple(one.shape[1:]), one.dtype)
+
+    def pooled_data(structs: Sequence[jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
+        if scan is None or scan.mode == "shared" or len(structs) == 1:
+            return pooled(structs)
+        inner = pooled([jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in structs])
+        return jax.ShapeDtypeStruct((scan.length,) + tuple(inner.shape), inner.dtype)
+
+    params = tuple(struct(program.param_key_list[i]) for i in site.param_indices)
     uses = site.uses
     outputs = ()
     if site.tag is not tags.generic:
-        outputs = (pooled([moved(struct(u.output), u.meta.get("output_feature_axis")) for u in uses]),)
+        outputs = (pooled_data([data(u.output, u.meta.get("output_feature_axis")) for u in uses]),)
     inputs = tuple(
-        pooled([moved(struct(u.inputs[k]), u.meta.get("input_feature_axis")) for u in uses])
+        pooled_data([data(u.inputs[k], u.meta.get("input_feature_axis")) for u in uses])
         for k in range(len(site.inputs))
     )
+    meta = dict(site.meta)
+    if scan is not None:
+        meta["scan_mode"], meta["scan_length"] = scan.mode, scan.length
     return tags.LayerTagEqn(
         primitive=site.tag,
         outputs=outputs,
         inputs=inputs,
         params=params,
         param_indices=site.param_indices,
-        meta=dict(site.meta),
+        meta=meta,
         name=site.name,
     )

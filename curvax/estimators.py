@@ -23,6 +23,7 @@ import numpy as np
 
 from curvax import blocks as blocks_lib
 from curvax import tags, utils
+from curvax.stacked import StackedBlock
 from curvax.transforms import ProcessedJaxpr, _Cache, assemble_layer_data, zero_tangents
 
 ESTIMATION_MODES = (
@@ -217,7 +218,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
                 ctor = _lookup_tag(self._layer_tag_to_block_ctor, site.tag.name)
             if ctor is None:
                 ctor = blocks_lib.get_default_tag_to_block_ctor(site.tag.name)
-            blocks.append(ctor(eqn, site.name))
+            if site.scan is not None and site.scan.mode == "stacked":
+                blocks.append(StackedBlock.from_ctor(ctor, eqn, site.name))  # one block per stacked layer
+            else:
+                blocks.append(ctor(eqn, site.name))
         self._blocks = tuple(blocks)
 
     def _require_finalized(self) -> None:
@@ -355,6 +359,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     @staticmethod
     def _forward_only(block: Any, state: Any) -> Any:
         """FOOF: the gradient factor of a Kronecker block is the identity."""
+        if isinstance(block, StackedBlock):
+            return jax.vmap(lambda s: BlockDiagonalCurvature._forward_only(block.inner, s))(state)
         if isinstance(block, blocks_lib.TwoKroneckerFactored):
             state = jax.tree_util.tree_map(lambda x: x, state)
             state.outputs_factor.value = jnp.eye(state.outputs_factor.value.shape[0], dtype=state.outputs_factor.value.dtype)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 
 
@@ -43,6 +44,7 @@ class Node:
     eqn: Any
     inputs: tuple[Atom, ...]
     outputs: tuple[Key | None, ...]
+    scan: "ScanBody | None" = None
 
     @property
     def primitive(self) -> Any:
@@ -51,6 +53,39 @@ class Node:
     @property
     def params(self) -> Mapping[str, Any]:
         return self.eqn.params
+
+
+@dataclasses.dataclass
+class ScanBody:
+    """The body of a ``lax.scan`` that takes parameters directly, as its own ``Program``.
+
+    Layers inside it are detected on ``program``; ``stacked`` maps its parameter
+    keys that iterate over a leading axis (scan ``xs``, one slice per step: stacked
+    layers) to the outer parameter keys, ``shared`` those passed unchanged to every
+    step (scan constants: one layer applied ``length`` times, e.g. an RNN cell).
+    """
+
+    program: "Program"
+    layout: Any  # _compat.ScanLayout
+    stacked: dict[Key, Key]
+    shared: dict[Key, Key]
+
+    @property
+    def length(self) -> int:
+        return self.layout.length
+
+
+@dataclasses.dataclass
+class ScanSpec:
+    """What to do inside one scan while evaluating: perturb body keys, record body atoms.
+
+    ``perturb`` maps a body key to a ``(length, ...)`` array added at step ``i``
+    (slice ``i``); ``record`` lists body atoms whose per-step values are returned
+    stacked along a new leading axis.
+    """
+
+    perturb: dict[Key, Any] = dataclasses.field(default_factory=dict)
+    record: list[Atom] = dataclasses.field(default_factory=list)
 
 
 class Program:
@@ -64,13 +99,15 @@ class Program:
       avals: abstract value (shape, dtype) of every key.
     """
 
-    def __init__(self, closed_jaxpr: Any, param_leaf_positions: Sequence[int] = ()):
+    def __init__(self, closed_jaxpr: Any, param_leaf_positions: Sequence[int] = (), open_scans: bool = True):
         self.nodes: list[Node] = []
         self.consts: dict[Key, Any] = {}
         self.avals: dict[Key, Any] = {}
         self._counter = 0
+        self._open_scans = open_scans
         self.input_keys = [self._new_key(v.aval) for v in closed_jaxpr.jaxpr.invars]
-        self.param_keys = frozenset(self.input_keys[i] for i in param_leaf_positions)
+        self.param_key_list = [self.input_keys[i] for i in param_leaf_positions]
+        self.param_keys = frozenset(self.param_key_list)
         self.output_atoms = self._flatten(closed_jaxpr, self.input_keys)
         self.producer: dict[Key, int] = {}
         self.consumers: dict[Key, list[int]] = {}
@@ -123,8 +160,24 @@ class Program:
                     k = self._new_key(v.aval)
                     env[v] = k
                     outs_keys.append(k)
-            self.nodes.append(Node(eqn, ins, tuple(outs_keys)))
+            self.nodes.append(Node(eqn, ins, tuple(outs_keys), self._scan_body(eqn, ins)))
         return [read(v) for v in jaxpr.outvars]
+
+    def _scan_body(self, eqn: Any, ins: Sequence[Atom]) -> ScanBody | None:
+        """Opens a top-level ``lax.scan`` whose constants or ``xs`` are parameters."""
+        if not self._open_scans:
+            return None
+        layout = _compat.scan_layout(eqn)
+        if layout is None:
+            return None
+        nc, ncar = layout.num_consts, layout.num_carry
+        positions = [j for j, a in enumerate(ins) if not isinstance(a, Lit) and a in self.param_keys and not nc <= j < nc + ncar]
+        if not positions:
+            return None
+        body = Program(layout.body, positions, open_scans=False)
+        stacked = {body.input_keys[j]: ins[j] for j in positions if j >= nc + ncar}
+        shared = {body.input_keys[j]: ins[j] for j in positions if j < nc}
+        return ScanBody(body, layout, stacked, shared)
 
     # --- analysis -----------------------------------------------------------------
 
@@ -147,13 +200,17 @@ class Program:
         node_indices: Sequence[int],
         wanted: Sequence[Atom],
         transform: Mapping[Key, Callable[[Any], Any]] | None = None,
+        scans: Mapping[int, ScanSpec] | None = None,
+        recorded: dict[int, list[Any]] | None = None,
     ) -> list[Any]:
         """Evaluates the given nodes; returns the values of ``wanted``.
 
         ``transform[k]`` (if given) replaces the value of key ``k`` right after it
         is computed (or, for inputs, before use): this is how perturbations are
-        added to layer outputs.
+        added to layer outputs. ``scans[i]`` does the same inside the body of the
+        scan at node ``i``; the values it records go to ``recorded[i]``.
         """
+        scans = scans or {}
         transform = transform or {}
         env: dict[Key, Any] = dict(self.consts)
         for k, x in zip(self.input_keys, flat_args):
@@ -167,12 +224,42 @@ class Program:
 
         for i in node_indices:
             node = self.nodes[i]
-            outs = _compat.eval_equation(node.eqn, [read(a) for a in node.inputs])
+            if i in scans:
+                outs, rec = _eval_scan(node, [read(a) for a in node.inputs], scans[i])
+                if recorded is not None:
+                    recorded[i] = rec
+            else:
+                outs = _compat.eval_equation(node.eqn, [read(a) for a in node.inputs])
             for k, x in zip(node.outputs, outs):
                 if k is None:
                     continue
                 env[k] = transform[k](x) if k in transform else x
         return [read(a) for a in wanted]
+
+
+def _eval_scan(node: Node, invals: Sequence[Any], spec: ScanSpec) -> tuple[list[Any], list[Any]]:
+    """Runs a scan node with ``lax.scan`` over its body program, perturbing and recording per step."""
+    assert node.scan is not None
+    body, lay = node.scan.program, node.scan.layout
+    nc, ncar = lay.num_consts, lay.num_carry
+    consts, init, xs = list(invals[:nc]), list(invals[nc : nc + ncar]), list(invals[nc + ncar :])
+    pert_keys = list(spec.perturb)
+    outs_atoms = list(body.output_atoms)
+    nodes = body.live_nodes(outs_atoms + list(spec.record))
+    carry_avals = [v.aval for v in lay.body.jaxpr.outvars[:ncar]]
+
+    def step(carry: tuple, x: tuple) -> tuple[tuple, tuple]:
+        xs_i, eps_i = x
+        tf = {k: (lambda v, e=e: v + e) for k, e in zip(pert_keys, eps_i)}
+        vals = body.evaluate(consts + list(carry) + list(xs_i), nodes, outs_atoms + list(spec.record), tf)
+        new_carry = tuple(jnp.asarray(v, a.dtype) for v, a in zip(vals[:ncar], carry_avals))
+        return new_carry, (tuple(vals[ncar : len(outs_atoms)]), tuple(vals[len(outs_atoms) :]))
+
+    eps = tuple(spec.perturb[k] for k in pert_keys)
+    carry, (ys, rec) = jax.lax.scan(
+        step, tuple(init), (tuple(xs), eps), length=lay.length, reverse=lay.reverse, unroll=lay.unroll
+    )
+    return list(carry) + list(ys), list(rec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +284,8 @@ class LayerSite:
     says how to bring inputs/outputs to the canonical layout the blocks expect
     (features last): ``input_feature_axis`` and ``output_feature_axis``.
     ``extra_uses`` lists further applications of the same parameters (tied
-    weights); their statistics are pooled like extra positions.
+    weights); their statistics are pooled like extra positions. ``scan`` is set
+    for a layer inside a ``lax.scan`` body: its keys are then keys of that body.
     """
 
     tag: tags.LayerTag
@@ -208,11 +296,27 @@ class LayerSite:
     name: str
     pattern: str
     extra_uses: tuple["LayerUse", ...] = ()
+    scan: "ScanRef | None" = None
 
     @property
     def uses(self) -> tuple["LayerUse", ...]:
         """Every application of the layer's parameters: one, or several for tied weights."""
         return (LayerUse(self.output, self.inputs, self.meta),) + tuple(self.extra_uses)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScanRef:
+    """Where a layer inside a scan lives: the scan's node index and how its parameters iterate.
+
+    ``mode`` is ``"stacked"`` (a parameter with a leading axis of size ``length``,
+    one independent layer per slice) or ``"shared"`` (the same parameter at every
+    step: the steps are pooled like extra positions, KFAC-expand over time).
+    """
+
+    node: int
+    mode: str
+    length: int
+    body: Program
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from curvax import _compat, detection, tags, utils
-from curvax.tracing import LayerSite, LossSite, Program, features_last, find_loss_sites, make_loss
+from curvax.tracing import LayerSite, LossSite, Program, ScanSpec, features_last, find_loss_sites, make_loss
 
 logger = logging.getLogger("curvax")
 
@@ -151,29 +151,44 @@ class ProcessedJaxpr:
         """
         sites = self.perturbable_sites()
         transform = {}
+        scans: dict[int, ScanSpec] = {}
         if perturbations is not None:
             for i, eps_uses in zip(sites, perturbations):
-                for use, eps in zip(self.layer_sites[i].uses, eps_uses):
-                    transform[use.output] = lambda v, e=eps: v + e
+                site = self.layer_sites[i]
+                for use, eps in zip(site.uses, eps_uses):
+                    if site.scan is None:
+                        transform[use.output] = lambda v, e=eps: v + e
+                    else:
+                        scans.setdefault(site.scan.node, ScanSpec()).perturb[use.output] = eps
         wanted: list[Any] = []
         for s in self.loss_sites:
             wanted.extend(s.operands)
+        plan: list[list[Any]] = []  # per site and use: None (top level) or (scan node, first recorded slot)
         for s in self.layer_sites:
+            plan.append([])
             for use in s.uses:
-                wanted.extend(use.inputs)
-                wanted.append(use.output)
+                atoms = [*use.inputs, use.output]
+                if s.scan is None:
+                    wanted.extend(atoms)
+                    plan[-1].append(None)
+                else:
+                    spec = scans.setdefault(s.scan.node, ScanSpec())
+                    plan[-1].append((s.scan.node, len(spec.record)))
+                    spec.record.extend(atoms)
         if with_outputs:
             wanted.extend(self.program.output_atoms)
         nodes = self.all_nodes if with_outputs else self.loss_nodes
-        vals = self.program.evaluate(self.join_args(params_flat, other_flat), nodes, wanted, transform)
+        recorded: dict[int, list[Any]] = {}
+        vals = self.program.evaluate(self.join_args(params_flat, other_flat), nodes, wanted, transform, scans, recorded)
         it = iter(vals)
         operands = tuple(tuple(next(it) for _ in s.operands) for s in self.loss_sites)
         layer_data = []
-        for s in self.layer_sites:
+        for s, where in zip(self.layer_sites, plan):
             per_use = []
-            for use in s.uses:
-                xs = tuple(next(it) for _ in use.inputs)
-                per_use.append((xs, next(it)))
+            for use, w in zip(s.uses, where):
+                n = len(use.inputs) + 1
+                got = [next(it) for _ in range(n)] if w is None else recorded[w[0]][w[1] : w[1] + n]
+                per_use.append((tuple(got[:-1]), got[-1]))
             layer_data.append(tuple(per_use))
         outputs = tuple(it) if with_outputs else ()
         dependants = tuple(
@@ -368,6 +383,32 @@ def _pool_positions(arrays: Sequence[Any]) -> Any:
     return jnp.concatenate([a.reshape(a.shape[0], -1, a.shape[-1]) for a in arrays], axis=1)
 
 
+def _pool_stacked_positions(arrays: Sequence[Any]) -> Any:
+    """Stacks ``(L, B, ..., d)`` arrays as ``(L, B, T_1 + T_2 + ..., d)`` (per slice of a stacked layer)."""
+    return jnp.concatenate([a.reshape(a.shape[0], a.shape[1], -1, a.shape[-1]) for a in arrays], axis=2)
+
+
+def _canonical_use(use: Any, scan: Any, xs: Sequence[Any], y: Any, dy: Any) -> tuple[tuple, Any, Any]:
+    """One use's inputs, output and output cotangent with features last.
+
+    Inside a scan every value has a leading step axis: stacked layers keep it
+    (one slice per layer), shared layers move it after the batch axis so that the
+    steps count as positions.
+    """
+
+    def canon(xs: Sequence[Any], y: Any, dy: Any) -> tuple[tuple, Any, Any]:
+        xs_c, y_c = canonical_layer_data(use, xs, y)
+        return xs_c, y_c, (None if dy is None else canonical_layer_data(use, (), dy)[1])
+
+    if scan is None:
+        return canon(xs, y, dy)
+    xs_c, y_c, dy_c = jax.vmap(canon)(tuple(xs), y, dy)
+    if scan.mode == "shared":
+        swap = lambda a: None if a is None else jnp.moveaxis(a, 0, 1)
+        return tuple(swap(x) for x in xs_c), swap(y_c), swap(dy_c)
+    return xs_c, y_c, dy_c
+
+
 def assemble_layer_data(
     pj: ProcessedJaxpr, params_flat: Sequence[Any], layer_data: Sequence[Any], dparams: Sequence[Any], deps: Sequence[Any]
 ) -> list[dict]:
@@ -376,16 +417,15 @@ def assemble_layer_data(
     pert = {j: i for i, j in enumerate(pj.perturbable_sites())}
     for j, site in enumerate(pj.layer_sites):
         dys = deps[pert[j]] if j in pert else (None,) * len(site.uses)
-        canon = []
-        for use, (xs, y), dy in zip(site.uses, layer_data[j], dys):
-            xs_c, y_c = canonical_layer_data(use, xs, y)
-            canon.append((xs_c, y_c, canonical_layer_data(use, (), dy)[1]))
+        canon = [_canonical_use(use, site.scan, xs, y, dy) for use, (xs, y), dy in zip(site.uses, layer_data[j], dys)]
+        stacked = site.scan is not None and site.scan.mode == "stacked"
+        pool = _pool_stacked_positions if stacked else _pool_positions
         if len(canon) == 1:
             xs_c, y_c, dy_c = canon[0]
         else:  # tied weights: the uses become extra positions of one layer
-            xs_c = tuple(_pool_positions([c[0][k] for c in canon]) for k in range(len(canon[0][0])))
-            y_c = _pool_positions([c[1] for c in canon])
-            dy_c = _pool_positions([c[2] for c in canon]) if j in pert else None
+            xs_c = tuple(pool([c[0][k] for c in canon]) for k in range(len(canon[0][0])))
+            y_c = pool([c[1] for c in canon])
+            dy_c = pool([c[2] for c in canon]) if j in pert else None
         out.append(
             {
                 "inputs": xs_c,
@@ -460,7 +500,7 @@ def auto_register_tags(
         env_sites = {
             use.output: dataclasses.replace(s, output=use.output, inputs=use.inputs, meta=use.meta, extra_uses=())
             for s in pj.layer_sites
-            if s.pattern not in ("manual", "generic")
+            if s.pattern not in ("manual", "generic") and s.scan is None
             for use in s.uses
         }
         # Evaluate once to know inputs, then bind the tags on the outputs.

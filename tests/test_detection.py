@@ -156,7 +156,7 @@ def test_generic_fallbacks_are_explained_in_the_report():
         h = h @ p["tied"] + jnp.sum(p["tied"])  # one parameter, two different uses
 
         def body(c, w):
-            return jnp.tanh(c @ w), None
+            return jnp.tanh(c + jnp.sin(w)), None  # no layer pattern inside the scan
 
         h, _ = jax.lax.scan(body, h, p["stack"])
         h = jax.lax.cond(jnp.sum(h) > 0, lambda v: v * p["gate"], lambda v: v, h)
@@ -165,7 +165,7 @@ def test_generic_fallbacks_are_explained_in_the_report():
         return jnp.mean((out - t) ** 2)
 
     params = {
-        "b1": jnp.zeros(4), "gate": jnp.ones(4), "stack": jnp.ones((2, 4, 4)) * 0.1,
+        "b1": jnp.zeros(4), "gate": jnp.ones(4), "stack": jnp.ones((2, 4)) * 0.1,
         "tied": jnp.eye(4), "unused": jnp.ones(3), "w1": jnp.ones((3, 4)), "w2": jnp.ones((4, 2)),
     }
     args = (params, (jnp.ones((5, 3)), jnp.ones((5, 2))))
