@@ -9,6 +9,8 @@ also checked against the exact GGN built with ``jax.jacobian``/``jax.hessian``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -299,3 +301,190 @@ def test_checkpointed_body_inside_a_scan():
     est_s, st_s = estimate(make_loss(stacked_model), p, data)
     assert [type(b).__name__ for b in est_c.blocks] == [type(b).__name__ for b in est_s.blocks]
     np.testing.assert_allclose(est_c.to_dense_matrix(st_c), est_s.to_dense_matrix(st_s), rtol=1e-12)
+
+
+# --- a stacked transformer: every layer kind inside the scan -------------------------------
+
+V, TT, DM, H = 7, 4, 6, 8  # vocabulary, tokens, width, MLP hidden
+
+
+def _layer_norm(x, scale, shift):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-6) * scale + shift
+
+
+def _block(h, q):
+    lin = lambda x, n: x @ q[n + "_w"] + q[n + "_b"]
+    a = _layer_norm(h, q["ln_s"], q["ln_b"])
+    scores = jnp.einsum("btd,bsd->bts", lin(a, "q"), lin(a, "k")) / np.sqrt(DM)
+    mask = jnp.tril(jnp.ones((TT, TT), bool))
+    h = h + lin(jax.nn.softmax(jnp.where(mask, scores, -1e9), -1) @ lin(a, "v"), "o")
+    return h + lin(jax.nn.gelu(lin(h, "m1")), "m2")
+
+
+def transformer_params(key=KEY):
+    shapes = {"ln_s": (DM,), "ln_b": (DM,)}
+    for n, (i, o) in {"q": (DM, DM), "k": (DM, DM), "v": (DM, DM), "o": (DM, DM), "m1": (DM, H), "m2": (H, DM)}.items():
+        shapes[n + "_w"], shapes[n + "_b"] = (i, o), (o,)
+    keys = jax.random.split(key, len(shapes) + 2)
+    stack = {n: jax.random.normal(k, (L,) + s) / np.sqrt(s[0]) for k, (n, s) in zip(keys, shapes.items())}
+    return {"stack": stack, "emb": jax.random.normal(keys[-2], (V, DM)), "out": jax.random.normal(keys[-1], (DM, V)) / 3}
+
+
+def xent_loss(model):
+    def loss(p, data):
+        ids, labels = data
+        logits = model(p, ids)
+        curvax.register_softmax_cross_entropy_loss(logits, labels)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.sum(jnp.take_along_axis(logp, labels[..., None], -1)) / ids.shape[0]
+
+    return loss
+
+
+def transformer_scan(p, ids):
+    h, _ = jax.lax.scan(lambda h, q: (_block(h, q), None), p["emb"][ids], p["stack"])
+    return h @ p["out"]
+
+
+def transformer_loop(p, ids):
+    h = p["emb"][ids]
+    for q in p["layers"]:
+        h = _block(h, q)
+    return h @ p["out"]
+
+
+def test_stacked_transformer_registers_every_layer_and_matches_the_loop():
+    p = transformer_params()
+    ids = jax.random.randint(jax.random.PRNGKey(4), (3, TT + 1), 0, V)
+    data = (ids[:, :-1], ids[:, 1:])
+    est_s, st_s = estimate(xent_loss(transformer_scan), p, data, "fisher_gradients")
+    sites = est_s.processed_jaxpr.layer_sites
+    scanned = sorted((s.tag.name, s.pattern) for s in sites if s.scan is not None)
+    assert scanned == sorted([("dense", "dense_with_bias")] * 6 + [("scale_and_shift", "scale_and_shift_both")])
+    assert all(s.scan.mode == "stacked" for s in sites if s.scan is not None)
+    assert not any(s.pattern == "generic" for s in sites)
+    listed = {"layers": [{n: a[l] for n, a in p["stack"].items()} for l in range(L)], "emb": p["emb"], "out": p["out"]}
+    est_l, st_l = estimate(xent_loss(transformer_loop), listed, data, "fisher_gradients")
+    pos_s, pos_l = param_positions(p, None), param_positions(listed, None)
+    perm = np.zeros(sum(x.size for x in jax.tree_util.tree_leaves(p)), dtype=int)
+    for n, a in p["stack"].items():
+        size = a[0].size
+        for l in range(L):
+            perm[pos_s[f"['stack']['{n}']"][l * size : (l + 1) * size]] = pos_l[f"['layers'][{l}]['{n}']"]
+    for n in ("emb", "out"):
+        perm[pos_s[f"['{n}']"]] = pos_l[f"['{n}']"]
+    dense_s, dense_l = est_s.to_dense_matrix(st_s), est_l.to_dense_matrix(st_l)
+    np.testing.assert_allclose(dense_s, dense_l[np.ix_(perm, perm)], rtol=1e-9, atol=1e-12)
+
+
+# --- frameworks: their own scanned-layer idioms ------------------------------------------
+
+
+def _fw_stacked_mlp(framework):
+    """``(apply(params, x), params)``: L tanh-dense layers scanned with the framework's idiom, then a head."""
+    x = jnp.ones((2, D))
+    if framework == "equinox":
+        eqx = pytest.importorskip("equinox")
+
+        class Layer(eqx.Module):
+            lin: Any
+
+            def __init__(self, key):
+                self.lin = eqx.nn.Linear(D, D, key=key)
+
+        class Net(eqx.Module):
+            layers: Any
+            out: Any
+
+            def __init__(self, key):
+                k1, k2 = jax.random.split(key)
+                self.layers = eqx.filter_vmap(Layer)(jax.random.split(k1, L))
+                self.out = eqx.nn.Linear(D, OUT, key=k2)
+
+            def __call__(self, x):
+                dyn, static = eqx.partition(self.layers, eqx.is_array)
+                h, _ = jax.lax.scan(lambda h, d: (jnp.tanh(eqx.combine(d, static).lin(h)), None), x, dyn)
+                return self.out(h)
+
+        params, static = eqx.partition(Net(KEY), eqx.is_inexact_array)
+        return (lambda p, xb: jax.vmap(eqx.combine(p, static))(xb)), params
+    if framework == "flax_linen":
+        nn = pytest.importorskip("flax.linen")
+
+        class Layer(nn.Module):
+            @nn.compact
+            def __call__(self, h, _):
+                return jnp.tanh(nn.Dense(D)(h)), None
+
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                stack = nn.scan(nn.remat(Layer), variable_axes={"params": 0}, split_rngs={"params": True}, length=L)
+                return nn.Dense(OUT)(stack()(x, None)[0])
+
+        m = Net()
+        return m.apply, m.init(KEY, x)
+    if framework == "flax_nnx":
+        nnx = pytest.importorskip("flax.nnx")
+
+        class Layer(nnx.Module):
+            def __init__(self, rngs):
+                self.lin = nnx.Linear(D, D, rngs=rngs)
+
+        class Net(nnx.Module):
+            def __init__(self, rngs):
+                @nnx.split_rngs(splits=L)
+                @nnx.vmap(in_axes=(0,), out_axes=0)
+                def make(rngs):
+                    return Layer(rngs)
+
+                self.layers = make(rngs)
+                self.out = nnx.Linear(D, OUT, rngs=rngs)
+
+            def __call__(self, x):
+                @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+                def run(h, layer):
+                    return jnp.tanh(layer.lin(h))
+
+                return self.out(run(x, self.layers))
+
+        graphdef, params = nnx.split(Net(nnx.Rngs(0)), nnx.Param)
+        return (lambda p, xb: nnx.merge(graphdef, p)(xb)), params
+    if framework == "haiku":
+        hk = pytest.importorskip("haiku")
+
+        def net(x):
+            @hk.experimental.layer_stack(L)
+            def stack(h):
+                return jnp.tanh(hk.Linear(D)(h))
+
+            return hk.Linear(OUT)(stack(x))
+
+        m = hk.without_apply_rng(hk.transform(net))
+        return m.apply, m.init(KEY, x)
+    raise ValueError(framework)
+
+
+@pytest.mark.parametrize("framework", ["equinox", "flax_linen", "flax_nnx", "haiku"])
+def test_framework_scanned_layers_get_stacked_blocks_and_train(framework):
+    apply, params = _fw_stacked_mlp(framework)
+    data = batch(8)
+    loss = make_loss(apply)
+    est = curvax.BlockDiagonalCurvature(loss)
+    est.init(KEY, (params, data))
+    sites = est.processed_jaxpr.layer_sites
+    stacked = [s for s in sites if s.scan is not None]
+    assert len(stacked) == 1 and stacked[0].scan.mode == "stacked" and len(stacked[0].param_indices) == 2
+    assert [type(b).__name__ for b in est.blocks].count("StackedBlock") == 1
+    assert not any(s.pattern == "generic" for s in sites)
+    opt = curvax.Optimizer(
+        jax.value_and_grad(loss), l2_reg=0.0, value_func_has_aux=False, use_adaptive_learning_rate=True,
+        use_adaptive_momentum=True, use_adaptive_damping=True, initial_damping=1.0, multi_device=False,
+    )
+    state = opt.init(params, jax.random.PRNGKey(1), data)
+    losses = []
+    for i in range(5):
+        params, state, stats = opt.step(params, state, jax.random.PRNGKey(i), batch=data)
+        losses.append(float(stats["loss"]))
+    assert np.all(np.isfinite(losses)) and np.all(np.diff(losses) < 0) and losses[-1] < 0.8 * losses[0]
