@@ -468,8 +468,9 @@ def _scan_matches(
     """Layers inside the body of the scan at node ``idx``, with outer parameter keys.
 
     A body layer is kept when each of its parameters is used by this scan only,
-    and all of them are stacked (``xs``) or all shared (constants). Shared layers
-    need a batch axis in each step's values (their steps become positions).
+    and all of them are stacked (``xs``) or all shared (constants). Stacked layers
+    may be of any kind; shared ones must be dense with a batch axis in each step's
+    values (their steps become positions, as for tied weights).
     """
     sb = program.nodes[idx].scan
     if sb is None:
@@ -491,8 +492,8 @@ def _scan_matches(
             notes.append(f"parameters {[index_of[k] for k in okeys]} mix scanned and constant operands of a lax.scan")
             continue
         mode = modes.pop()
-        if mode == "shared" and any(len(body.avals[u.output].shape) < 2 for u in site.uses):
-            continue
+        if mode == "shared" and (site.tag is not tags.dense or any(len(body.avals[u.output].shape) < 2 for u in site.uses)):
+            continue  # steps pool as positions, which only the dense blocks define (as for tied weights)
         ref = ScanRef(idx, mode, sb.length, body)
         out.append(
             Match(site.tag, site.output, site.inputs, okeys, dict(site.meta), site.pattern, frozenset(), site.extra_uses, ref)
@@ -528,7 +529,10 @@ def _fallback_reason(program: Program, live: frozenset[int], key: Key, uses: int
     for i in program.consumers.get(key, []):
         name = program.nodes[i].primitive.name
         if i in live and program.nodes[i].scan is not None:
-            return "used inside lax.scan, but no layer pattern in its body uses it"
+            return (
+                "used inside lax.scan, where no supported layer uses it (supported: stacked layers of any kind "
+                "passed as xs, dense layers passed as constants)"
+            )
         if i in live and name in _CONTROL_FLOW:
             return (
                 f"used inside {_CONTROL_FLOW[name]}, where layers are not detected (only parameters passed "

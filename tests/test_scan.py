@@ -488,3 +488,65 @@ def test_framework_scanned_layers_get_stacked_blocks_and_train(framework):
         params, state, stats = opt.step(params, state, jax.random.PRNGKey(i), batch=data)
         losses.append(float(stats["loss"]))
     assert np.all(np.isfinite(losses)) and np.all(np.diff(losses) < 0) and losses[-1] < 0.8 * losses[0]
+
+
+# --- convolutions in a scan -----------------------------------------------------------------
+
+
+def _conv(h, w, b):
+    return jax.lax.conv_general_dilated(h, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")) + b
+
+
+def _conv_data():
+    k = jax.random.split(jax.random.PRNGKey(11), 5)
+    p = {"w": jax.random.normal(k[0], (2, 3, 3, 2, 2)) / 3, "b": jax.random.normal(k[1], (2, 2)) * 0.1,
+         "out": jax.random.normal(k[2], (5 * 5 * 2, OUT)) / 5}
+    return p, (jax.random.normal(k[3], (3, 5, 5, 2)), jax.random.normal(k[4], (3, OUT)))
+
+
+def test_stacked_convolution_slices_equal_per_layer_blocks():
+    p, data = _conv_data()
+
+    def scan_model(q, x):
+        h, _ = jax.lax.scan(lambda h, wb: (jnp.tanh(_conv(h, *wb)), None), x, (q["w"], q["b"]))
+        return h.reshape(h.shape[0], -1) @ q["out"]
+
+    est_s, st_s = estimate(make_loss(scan_model), p, data)
+    scanned = [s for s in est_s.processed_jaxpr.layer_sites if s.scan is not None]
+    assert [s.tag.name for s in scanned] == ["conv2d"] and scanned[0].scan.mode == "stacked"
+    # Each slice's block equals the block of the same layer in a model with one parameter per layer.
+    listed = {"layers": [{"w": p["w"][l], "b": p["b"][l]} for l in range(2)], "out": p["out"]}
+
+    def listed_model(q, x):
+        h = x
+        for lay in q["layers"]:
+            h = jnp.tanh(_conv(h, lay["w"], lay["b"]))
+        return h.reshape(h.shape[0], -1) @ q["out"]
+
+    est_l, st_l = estimate(make_loss(listed_model), listed, data)
+    (j,) = [i for i, s in enumerate(est_s.processed_jaxpr.layer_sites) if s.scan is not None]
+    dense_s = np.asarray(est_s.blocks[j].to_dense_matrix(st_s.blocks_states[j]))
+    n = dense_s.shape[0] // 2
+    conv_blocks = [i for i, s in enumerate(est_l.processed_jaxpr.layer_sites) if s.tag.name == "conv2d"]
+    assert len(conv_blocks) == 2
+    for l, i in enumerate(conv_blocks):
+        want = np.asarray(est_l.blocks[i].to_dense_matrix(st_l.blocks_states[i]))
+        # stacked layout: all w slices, then all b slices
+        w_size = 3 * 3 * 2 * 2
+        idx = np.concatenate([l * w_size + np.arange(w_size), 2 * w_size + l * 2 + np.arange(2)])
+        np.testing.assert_allclose(dense_s[np.ix_(idx, idx)], want, rtol=1e-9, atol=1e-12)
+    assert n == 3 * 3 * 2 * 2 + 2
+
+
+def test_shared_convolution_in_a_scan_is_generic_with_a_reason():
+    p, data = _conv_data()
+    p = {**p, "w": p["w"][0], "b": p["b"][0]}
+
+    def model(q, x):
+        h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(_conv(h, q["w"], q["b"])), None), x, None, length=2)
+        return h.reshape(h.shape[0], -1) @ q["out"]
+
+    est, _ = estimate(make_loss(model), p, data)
+    table = est.processed_jaxpr.registration_table(p)
+    line = next(line for line in table.splitlines() if line.strip().startswith("w"))
+    assert "generic fallback" in line and "lax.scan" in line
