@@ -550,3 +550,25 @@ def test_shared_convolution_in_a_scan_is_generic_with_a_reason():
     table = est.processed_jaxpr.registration_table(p)
     line = next(line for line in table.splitlines() if line.strip().startswith("w"))
     assert "generic fallback" in line and "lax.scan" in line
+
+
+@pytest.mark.parametrize("cell", ["SimpleCell", "LSTMCell", "GRUCell"])
+def test_flax_recurrent_cells_are_shared_dense_layers(cell):
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(OUT)(nn.RNN(getattr(nn, cell)(6))(x)[:, -1])
+
+    xs = jax.random.normal(jax.random.PRNGKey(5), (B, T, D), jnp.float32)  # Flax cells keep a float32 carry
+    t = jax.random.normal(jax.random.PRNGKey(6), (B, OUT), jnp.float32)
+    m = Net()
+    params = m.init(KEY, xs)
+    est, st = estimate(make_loss(m.apply), params, (xs, t), "ggn_exact")
+    sites = est.processed_jaxpr.layer_sites
+    assert not any(s.pattern == "generic" for s in sites)
+    in_scan = [s for s in sites if s.scan is not None]
+    assert len(in_scan) == len(sites) - 1 and {s.scan.mode for s in in_scan} == {"shared"}
+    assert all(s.scan.length == T for s in in_scan)
+    assert np.all(np.isfinite(np.asarray(est.to_dense_matrix(st))))
