@@ -7,6 +7,7 @@ kfac_jax`` runs kfac-jax code. Modules, in dependency order:
 * ``tracing``, ``transforms`` -- reading a traced function, Jacobian products;
 * ``detection``              -- finding layers automatically;
 * ``blocks``, ``linalg``     -- curvature blocks (Kronecker, diagonal, full ...);
+* ``stacked``                -- blocks for layers stacked in a ``lax.scan``;
 * ``estimators``             -- block-diagonal and exact curvature estimators;
 * ``optimizer``              -- the K-FAC optimizer.
 """
@@ -58,12 +59,15 @@ from curvax.losses import (
     register_squared_error_loss,
 )
 from curvax.optimizer import Optimizer
+from curvax.stacked import StackedBlock
 from curvax.patterns import GraphPattern
 from curvax.layers.conv import (
     Conv2DDiagonal,
+    Conv2DEigenvalueCorrected,
     Conv2DFull,
     Conv2DTwoKroneckerFactored,
     ConvDiagonal,
+    ConvEigenvalueCorrected,
     ConvFull,
     ConvGroupedTwoKroneckerFactored,
     ConvTwoKroneckerFactored,
@@ -93,9 +97,11 @@ __all__ = [
     "layers",
     "GraphPattern",
     "Conv2DDiagonal",
+    "Conv2DEigenvalueCorrected",
     "Conv2DFull",
     "Conv2DTwoKroneckerFactored",
     "ConvDiagonal",
+    "ConvEigenvalueCorrected",
     "ConvFull",
     "ConvGroupedTwoKroneckerFactored",
     "ConvTwoKroneckerFactored",
@@ -143,6 +149,7 @@ __all__ = [
     "Optimizer",
     "ProcessedJaxpr",
     "ScaledIdentity",
+    "StackedBlock",
     "TwoKroneckerFactored",
     "WeightedMovingAverage",
     "auto_register_tags",

@@ -574,3 +574,75 @@ def test_kfc_patch_statistics_equal_patches_moments_with_and_without_chunking(la
         curvax.blocks.set_max_parallel_elements(old)
     np.testing.assert_allclose(m, want_m.reshape(12, 12), rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(v, want_v.reshape(12), rtol=1e-10, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------------
+# EKFAC for convolutions
+# ----------------------------------------------------------------------------------
+
+
+def _ekfac_state(block, x, dy, params, batch_size):
+    """Statistics, the eigenbasis of those statistics, then ``s`` measured in that basis."""
+
+    def run(x, dy, params):
+        data = {"inputs": (x,), "outputs": (), "params": params, "outputs_tangent": (dy,), "params_tangent": ()}
+        state = block.init(jax.random.PRNGKey(0), None, None, False)
+        state = block.update_curvature_matrix_estimate(state, data, 0.0, 1.0, batch_size)
+        state = block.update_cache(state, 0.0, None, None, False)
+        state = block.update_curvature_matrix_estimate(state, data, 0.0, 1.0, batch_size)
+        return block.to_dense_matrix(state), state
+
+    return jax.jit(run)(x, dy, params)
+
+
+def test_conv_ekfac_equals_kfc_where_kfc_is_exact():
+    eqn, f, params, x, dy, _ = make_layer(0, "NHWC", 1, (3, 3), 2, 3, (3, 3), True)
+    g = per_example_grads(f, params, x, dy)
+    ekfac, _ = _ekfac_state(conv.Conv2DEigenvalueCorrected(eqn, "e"), x, dy, params, 1)
+    ((kfc, _),) = estimate([conv.Conv2DTwoKroneckerFactored(eqn, "k")], x, dy, params, 1)
+    np.testing.assert_allclose(ekfac, kfc, atol=1e-10)
+    np.testing.assert_allclose(ekfac, g.T @ g, atol=1e-10)
+
+
+@pytest.mark.parametrize("cfg", BLOCK_CONFIGS[:2], ids=lambda c: c["layout"])
+def test_conv_ekfac_is_never_further_from_the_fisher_than_kfc(cfg):
+    cfg = dict(cfg)
+    layout, bias = cfg.pop("layout"), cfg.pop("bias")
+    batch = 4
+    eqn, f, params, x, dy, _ = make_layer(5, layout, batch, (5, 4), 2, 4, (3, 2), bias, **cfg)
+    g = per_example_grads(f, params, x, dy)
+    fisher = np.asarray(g.T @ g / batch)
+    block = conv.Conv2DEigenvalueCorrected(eqn, "e", max_elements_for_vmap=300)  # several chunks
+    ekfac, state = _ekfac_state(block, x, dy, params, batch)
+    ((kfc, _),) = estimate([conv.Conv2DTwoKroneckerFactored(eqn, "k")], x, dy, params, batch)
+    err_ekfac, err_kfc = np.linalg.norm(ekfac - fisher), np.linalg.norm(kfc - fisher)
+    assert err_ekfac < err_kfc
+    # s is the Fisher's diagonal in the Kronecker eigenbasis.
+    qa, qg = state.cache["inputs_factor_eigen_vectors"], state.cache["outputs_factor_eigen_vectors"]
+    cols = [
+        np.concatenate([np.ravel(a) for a in block.array_to_parameters_shaped_list(c.reshape(len(qa), len(qg)))])
+        for c in np.kron(np.asarray(qa), np.asarray(qg)).T
+    ]
+    q = np.asarray(cols).T
+    np.testing.assert_allclose(np.asarray(block.eigenvalues(state, False)), np.diag(q.T @ fisher @ q), atol=1e-9)
+    # Damped inverse products equal the dense inverse.
+    vec = tuple(jnp.asarray(np.random.default_rng(9).standard_normal(s)) for s in block.parameters_shapes)
+    got = block.multiply_matpower(state, vec, 0.3, -1, exact_power=True, use_cached=False)
+    want = np.linalg.solve(np.asarray(ekfac) + 0.3 * np.eye(len(fisher)), np.concatenate([np.ravel(v) for v in vec]))
+    np.testing.assert_allclose(np.concatenate([np.ravel(v) for v in got]), want, rtol=1e-8, atol=1e-10)
+
+
+def test_conv_ekfac_trains_in_the_optimizer():
+    loss, params, batch = plain_cnn(jax.random.PRNGKey(0))
+    opt = curvax.Optimizer(
+        jax.value_and_grad(loss), l2_reg=0.0, use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+        use_adaptive_damping=True, initial_damping=1.0, inverse_update_period=1,
+        layer_tag_to_block_ctor={"conv2d": curvax.Conv2DEigenvalueCorrected},
+    )
+    state = opt.init(params, jax.random.PRNGKey(1), batch)
+    assert "Conv2DEigenvalueCorrected" in opt.registration_table()
+    losses = []
+    for i in range(4):
+        params, state, stats = opt.step(params, state, jax.random.PRNGKey(i), batch=batch)
+        losses.append(float(stats["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]

@@ -975,6 +975,40 @@ class ConvFull(_ConvMixin, blocks.Full):
         return self._per_example_reduce(x, dy, outer, self.max_elements_for_vmap) / batch_size
 
 
+class ConvEigenvalueCorrected(blocks.EigenvalueCorrectedKroneckerFactored, ConvTwoKroneckerFactored):
+    """EKFAC (George et al., 2018) for an N-D convolution, on top of KFC's factors.
+
+    ``A`` and ``G`` are those of ``ConvTwoKroneckerFactored``; the correction ``s``
+    is the diagonal of the per-example Fisher in their eigenbasis, from example
+    n's exact gradient ``V_n = sum_t [p_nt; 1] dy_nt^T`` (the ``vmap`` of the
+    convolution's vjp, in chunks of at most ``max_elements_for_vmap`` elements).
+    """
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str, max_elements_for_vmap: int | None = None):
+        super().__init__(layer_tag_eq, name)
+        self._max_elements = max_elements_for_vmap
+
+    @property
+    def max_elements_for_vmap(self) -> int:
+        return self._max_elements or blocks.get_max_parallel_elements()
+
+    def _eigenvalue_correction_from_data(self, estimation_data, qa, qg, batch_size):
+        x, dy = self._conv_data(estimation_data)
+        x, dy = x.astype(qa.dtype), dy.astype(qa.dtype)
+
+        def stat(gs: tuple[Array, ...]) -> Array:
+            v = jax.vmap(lambda *g: self._params_to_array(g, jnp))(*gs)  # (chunk, input_size, output_size)
+            return jnp.sum(jnp.square(jnp.einsum("ia,nij,jb->nab", qa, v, qg)), axis=0)
+
+        return self._per_example_reduce(x, dy, stat, self.max_elements_for_vmap) / batch_size
+
+
+class Conv2DEigenvalueCorrected(ConvEigenvalueCorrected):
+    """``ConvEigenvalueCorrected`` for 2-D convolutions."""
+
+    _required_spatial = 2
+
+
 class Conv2DTwoKroneckerFactored(ConvTwoKroneckerFactored):
     """``ConvTwoKroneckerFactored`` for 2-D convolutions (KFC)."""
 
