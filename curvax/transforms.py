@@ -348,7 +348,9 @@ def layer_tags_vjp(
 
     Each entry is a dict with ``inputs``, ``outputs``, ``params``,
     ``outputs_tangent`` (the cotangent of the layer's outputs) and
-    ``params_tangent`` (of its parameters), features last.
+    ``params_tangent`` (of its parameters), features last. A stacked layer
+    inside a ``lax.scan`` has a leading axis over its slices in every entry; a
+    layer shared by the steps of a scan has the steps as positions (after the batch axis).
     """
     cache = _Cache(
         func, params_index, raise_error_on_diff_jaxpr, auto_register_tags=auto_register_tags, **auto_registration_kwargs
