@@ -1245,12 +1245,12 @@ class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
         dtype = self.dtype
         x, dy = x.astype(dtype), dy.astype(dtype)
         n = x.shape[0]
-        a = (x.T @ x) / n
+        a = linalg.gram(x) / n
         if self.has_bias:
             # [x, 1]^T [x, 1] assembled from pieces: no copy of x with a ones column.
             mean = jnp.sum(x, axis=0) / n
             a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), dtype)]])
-        g = (dy.T @ dy) / batch_size
+        g = linalg.gram(dy) / batch_size
         state = _copy_state(state)
         state.inputs_factor.update(a, ema_old, ema_new)
         state.outputs_factor.update(g, ema_old, ema_new)
@@ -1281,11 +1281,11 @@ class DenseTwoKroneckerFactoredReduce(DenseTwoKroneckerFactored):
             raise ValueError(f"{self._name}: inputs {x.shape} and output tangents {dy.shape} disagree on leading axes.")
         xbar, s = jnp.mean(x3, axis=1), jnp.sum(dy3, axis=1)
         n = xbar.shape[0]
-        a = (xbar.T @ xbar) / n
+        a = linalg.gram(xbar) / n
         if self.has_bias:
             mean = jnp.sum(xbar, axis=0) / n
             a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), dtype)]])
-        g = (s.T @ s) / batch_size
+        g = linalg.gram(s) / batch_size
         state = _copy_state(state)
         state.inputs_factor.update(a, ema_old, ema_new)
         state.outputs_factor.update(g, ema_old, ema_new)
