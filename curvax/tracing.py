@@ -202,13 +202,16 @@ class Program:
         transform: Mapping[Key, Callable[[Any], Any]] | None = None,
         scans: Mapping[int, ScanSpec] | None = None,
         recorded: dict[int, list[Any]] | None = None,
+        detach: frozenset[int] = frozenset(),
     ) -> list[Any]:
         """Evaluates the given nodes; returns the values of ``wanted``.
 
         ``transform[k]`` (if given) replaces the value of key ``k`` right after it
         is computed (or, for inputs, before use): this is how perturbations are
         added to layer outputs. ``scans[i]`` does the same inside the body of the
-        scan at node ``i``; the values it records go to ``recorded[i]``.
+        scan at node ``i``; the values it records go to ``recorded[i]``. Nodes in
+        ``detach`` read their inputs through ``stop_gradient``: values that are only
+        read (e.g. the user's own backward pass) are not differentiated again.
         """
         scans = scans or {}
         transform = transform or {}
@@ -224,12 +227,15 @@ class Program:
 
         for i in node_indices:
             node = self.nodes[i]
+            invals = [read(a) for a in node.inputs]
+            if i in detach:
+                invals = [jax.lax.stop_gradient(v) for v in invals]
             if i in scans:
-                outs, rec = _eval_scan(node, [read(a) for a in node.inputs], scans[i])
+                outs, rec = _eval_scan(node, invals, scans[i])
                 if recorded is not None:
                     recorded[i] = rec
             else:
-                outs = _compat.eval_equation(node.eqn, [read(a) for a in node.inputs])
+                outs = _compat.eval_equation(node.eqn, invals)
             for k, x in zip(node.outputs, outs):
                 if k is None:
                     continue

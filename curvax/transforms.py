@@ -87,6 +87,8 @@ class ProcessedJaxpr:
         loss_roots = [a for s in self.loss_sites for a in s.operands]
         self.loss_nodes = self.program.live_nodes(loss_roots)
         self.all_nodes = self.program.live_nodes(loss_roots + list(self.program.output_atoms))
+        self._memo: dict[Any, Any] = {}
+
         matchers = None
         if graph_patterns is not None:
             from curvax import patterns  # the extension API (GraphPattern) builds on detection
@@ -141,13 +143,17 @@ class ProcessedJaxpr:
         other_flat: Sequence[Any],
         perturbations: Sequence[Any] | None = None,
         with_outputs: bool = False,
+        differentiable_outputs: int = 1,
     ) -> tuple[tuple, tuple]:
         """Runs the program.
 
         Returns ``(differentiable, aux)``: ``differentiable`` holds, per loss, its
         parameter-dependent inputs (and the function's flat outputs when
         ``with_outputs``); ``aux`` holds every loss operand and every layer's
-        inputs and outputs.
+        inputs and outputs. Only the first ``differentiable_outputs`` flat outputs
+        (the value, for a ``value_and_grad`` function) carry derivatives: equations
+        needed only by the others (e.g. the user's own backward pass) read their
+        inputs through ``stop_gradient``, so they are never differentiated again.
         """
         sites = self.perturbable_sites()
         transform = {}
@@ -179,7 +185,10 @@ class ProcessedJaxpr:
             wanted.extend(self.program.output_atoms)
         nodes = self.all_nodes if with_outputs else self.loss_nodes
         recorded: dict[int, list[Any]] = {}
-        vals = self.program.evaluate(self.join_args(params_flat, other_flat), nodes, wanted, transform, scans, recorded)
+        detach = self._read_only_nodes(differentiable_outputs) if with_outputs else frozenset()
+        vals = self.program.evaluate(
+            self.join_args(params_flat, other_flat), nodes, wanted, transform, scans, recorded, detach
+        )
         it = iter(vals)
         operands = tuple(tuple(next(it) for _ in s.operands) for s in self.loss_sites)
         layer_data = []
@@ -196,6 +205,14 @@ class ProcessedJaxpr:
             for s, ops in zip(self.loss_sites, operands)
         )
         return (dependants, outputs), (operands, tuple(layer_data))
+
+    def _read_only_nodes(self, differentiable_outputs: int) -> frozenset[int]:
+        """Equations needed only by outputs past the first ``differentiable_outputs``."""
+        key = ("read_only", differentiable_outputs)
+        if key not in self._memo:
+            roots = [a for s in self.loss_sites for a in s.operands] + list(self.program.output_atoms[:differentiable_outputs])
+            self._memo[key] = frozenset(self.all_nodes) - frozenset(self.program.live_nodes(roots))
+        return self._memo[key]
 
     def losses_from_operands(self, operands: Sequence[Sequence[Any]]) -> tuple[Any, ...]:
         return tuple(make_loss(s, ops) for s, ops in zip(self.loss_sites, operands))
