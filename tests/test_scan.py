@@ -117,12 +117,21 @@ def test_stacked_scan_is_one_stacked_dense_layer():
 @pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact", "fisher_gradients", "fisher_empirical"])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_stacked_scan_equals_python_loop(mode, reverse):
+    _check_scan_equals_loop(mode, reverse)
+
+
+@pytest.mark.parametrize("block", ["DenseEigenvalueCorrected", "DenseTNT", "DenseDiagonal", "DenseFull"])
+def test_stacked_scan_equals_python_loop_for_every_dense_block(block):
+    _check_scan_equals_loop("ggn_exact", False, layer_tag_to_block_ctor={"dense": getattr(curvax, block)})
+
+
+def _check_scan_equals_loop(mode, reverse, **kwargs):
     p = stacked_params()
     data = batch()
     scan_loss = make_loss(lambda q, x: stacked_model(q, x, reverse))
     loop_loss = make_loss(lambda q, x: listed_model(q, x, reverse))
-    est_s, st_s = estimate(scan_loss, p, data, mode)
-    est_l, st_l = estimate(loop_loss, unstack(p), data, mode)
+    est_s, st_s = estimate(scan_loss, p, data, mode, **kwargs)
+    est_l, st_l = estimate(loop_loss, unstack(p), data, mode, **kwargs)
     dense_s = est_s.to_dense_matrix(st_s)
     dense_l = est_l.to_dense_matrix(st_l)
     # Map the listed model's flat order onto the stacked model's flat order.
