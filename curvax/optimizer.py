@@ -17,10 +17,8 @@ One step, compiled once (periodic work is ``lax.cond`` inside it):
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
-import threading
 import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -414,10 +412,8 @@ class Optimizer:
         if self._num_burnin_steps > 0 and step_int == 0:
             rng, key = jax.random.split(rng)
             if data_iterator is not None:
-                first = next(data_iterator)
-                data_iterator = itertools.chain([first], data_iterator)
+                state, func_state = self.burnin(self._num_burnin_steps, params, state, key, data_iterator, func_state)
             else:
-                first = batch
                 if not self._burnin_warned:
                     warnings.warn(
                         f"num_burnin_steps={self._num_burnin_steps} but step() got `batch` rather than a "
@@ -425,11 +421,9 @@ class Optimizer:
                         stacklevel=2,
                     )
                     self._burnin_warned = True
-            compiling = self._compile_step_in_background(params, state, rng, first, func_state, lr, mom, damp)
-            burnin_data = data_iterator if data_iterator is not None else iter([batch] * self._num_burnin_steps)
-            state, func_state = self.burnin(self._num_burnin_steps, params, state, key, burnin_data, func_state)
-            if compiling is not None:
-                compiling.join()
+                state, func_state = self.burnin(
+                    self._num_burnin_steps, params, state, key, iter([batch] * self._num_burnin_steps), func_state
+                )
         if batch is None:
             batch = next(data_iterator)  # type: ignore[arg-type]
         utils.check_batch_leading_sizes(batch)
@@ -437,28 +431,6 @@ class Optimizer:
         if self._has_state:
             return params, state, func_state, stats
         return params, state, stats
-
-    def _compile_step_in_background(self, *args: Any) -> threading.Thread | None:
-        """Compiles the step for ``args``' shapes in a thread while the burn-in runs.
-
-        Why: the first step otherwise compiles the burn-in and then the step one
-        after the other; XLA compiles without holding the GIL, so the step's
-        compilation (the longest one) overlaps the burn-in's tracing, compilation
-        and runs. The jit cache then serves the step call. Any error is left for
-        that call to raise. Nothing is started in debug (eager) mode.
-        """
-        if self._debug:
-            return None
-
-        def compile_step() -> None:
-            try:
-                self._jit_step.lower(*args).compile()
-            except Exception:  # the real call reports it
-                pass
-
-        thread = threading.Thread(target=compile_step, name="curvax-compile-step", daemon=True)
-        thread.start()
-        return thread
 
     def _schedule_value(self, schedule: Callable | None, given: jax.Array, step: jax.Array) -> jax.Array:
         return jnp.asarray(schedule(step), jnp.float32) if schedule is not None else given

@@ -1,4 +1,4 @@
-"""Performance refactors keep the numbers: split Gram matrices, the step compiled during burn-in."""
+"""Performance refactors keep the numbers: split Gram matrices; the first step with a burn-in."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_first_step_with_burnin_matches_eager_and_compiles_once():
         for i in range(2):
             params, state, stats = opt.step(params, state, jax.random.PRNGKey(2 + i), data_iterator=it,
                                             learning_rate=0.1, momentum=0.5, damping=1.0)
-        assert len(consumed) == 3 + 2  # burn-in batches (the first one peeked at for compiling) and the steps'
+        assert len(consumed) == 3 + 2  # the burn-in's batches and the steps'
         if not debug:
             assert opt.trace_count == 1
         outs.append((params, float(stats["loss"])))
