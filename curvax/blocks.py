@@ -57,6 +57,7 @@ __all__ = [
     "TwoKroneckerFactored",
     "KroneckerFactored",
     "DenseTwoKroneckerFactored",
+    "RepeatedDenseKroneckerFactored",
     "DenseTwoKroneckerFactoredReduce",
     "EigenvalueCorrectedKroneckerFactored",
     "DenseEigenvalueCorrected",
@@ -1295,6 +1296,60 @@ class DenseTwoKroneckerFactoredReduce(DenseTwoKroneckerFactored):
 # ----------------------------------------------------------------------------------
 # Eigenvalue-corrected K-FAC (EKFAC)
 # ----------------------------------------------------------------------------------
+
+
+class RepeatedDenseKroneckerFactored(DenseTwoKroneckerFactored):
+    """K-FAC-expand for a dense layer applied at many positions, with padding masked out.
+
+    kfac-jax's repeated-dense block. A position whose output cotangent is zero in
+    every feature is padding (a masked loss gives it no gradient); with
+    ``use_masking`` it is left out of ``A``. With ``R`` the mean number of kept
+    positions per example (a moving average like the factors):
+    ``A = (1/B) sum_kept [x; 1][x; 1]^T``, ``G = (1/B) sum dy dy^T`` and
+    ``C = (A (x) G) / R`` -- the ``DenseTwoKroneckerFactored`` estimate over the
+    kept positions only, so sequences of different lengths can share a padded
+    batch. Without padding the two blocks are equal.
+    """
+
+    @register_state_class
+    class State(TwoKroneckerFactored.State):
+        """Adds ``average_repeats``: ``WeightedMovingAverage`` of the kept positions per example."""
+
+        average_repeats: WeightedMovingAverage
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str, use_masking: bool = True):
+        super().__init__(layer_tag_eq, name)
+        self.use_masking = bool(use_masking)
+
+    def _init(self, rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
+        base = super()._init(rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues)
+        return RepeatedDenseKroneckerFactored.State(
+            cache=base.cache,
+            inputs_factor=base.inputs_factor,
+            outputs_factor=base.outputs_factor,
+            average_repeats=WeightedMovingAverage.zeros((), self.dtype),
+        )
+
+    def state_dependent_scale(self, state: Any) -> Array:
+        r = state.average_repeats.value
+        return jnp.where(r > 0, 1 / jnp.where(r > 0, r, 1), 1)
+
+    def update_curvature_matrix_estimate(
+        self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
+    ):
+        del pmap_axis_name
+        x3, dy3 = self._augmented_per_example(estimation_data, self.dtype)  # (B, T, d_in [+1]), (B, T, d_out)
+        if self.use_masking:
+            keep = jnp.any(dy3 != 0, axis=-1).astype(self.dtype)
+        else:
+            keep = jnp.ones(x3.shape[:2], self.dtype)
+        x2 = (x3 * keep[..., None]).reshape(-1, x3.shape[-1])
+        dy2 = dy3.reshape(-1, dy3.shape[-1])
+        state = _copy_state(state)
+        state.inputs_factor.update(linalg.gram(x2) / batch_size, ema_old, ema_new)
+        state.outputs_factor.update(linalg.gram(dy2) / batch_size, ema_old, ema_new)
+        state.average_repeats.update(jnp.sum(keep) / batch_size, ema_old, ema_new)
+        return state
 
 
 class EigenvalueCorrectedKroneckerFactored(TwoKroneckerFactored, abc.ABC):
