@@ -396,7 +396,7 @@ def _fw_stacked_mlp(framework):
     if framework == "equinox":
         eqx = pytest.importorskip("equinox")
 
-        class Layer(eqx.Module):
+        class EqxLayer(eqx.Module):
             lin: Any
 
             def __init__(self, key):
@@ -408,7 +408,7 @@ def _fw_stacked_mlp(framework):
 
             def __init__(self, key):
                 k1, k2 = jax.random.split(key)
-                self.layers = eqx.filter_vmap(Layer)(jax.random.split(k1, L))
+                self.layers = eqx.filter_vmap(EqxLayer)(jax.random.split(k1, L))
                 self.out = eqx.nn.Linear(D, OUT, key=k2)
 
             def __call__(self, x):
@@ -421,7 +421,7 @@ def _fw_stacked_mlp(framework):
     if framework == "flax_linen":
         nn = pytest.importorskip("flax.linen")
 
-        class Layer(nn.Module):
+        class LinenLayer(nn.Module):
             @nn.compact
             def __call__(self, h, _):
                 return jnp.tanh(nn.Dense(D)(h)), None
@@ -429,7 +429,7 @@ def _fw_stacked_mlp(framework):
         class Net(nn.Module):
             @nn.compact
             def __call__(self, x):
-                stack = nn.scan(nn.remat(Layer), variable_axes={"params": 0}, split_rngs={"params": True}, length=L)
+                stack = nn.scan(nn.remat(LinenLayer), variable_axes={"params": 0}, split_rngs={"params": True}, length=L)
                 return nn.Dense(OUT)(stack()(x, None)[0])
 
         m = Net()
@@ -437,7 +437,7 @@ def _fw_stacked_mlp(framework):
     if framework == "flax_nnx":
         nnx = pytest.importorskip("flax.nnx")
 
-        class Layer(nnx.Module):
+        class NnxLayer(nnx.Module):
             def __init__(self, rngs):
                 self.lin = nnx.Linear(D, D, rngs=rngs)
 
@@ -446,7 +446,7 @@ def _fw_stacked_mlp(framework):
                 @nnx.split_rngs(splits=L)
                 @nnx.vmap(in_axes=(0,), out_axes=0)
                 def make(rngs):
-                    return Layer(rngs)
+                    return NnxLayer(rngs)
 
                 self.layers = make(rngs)
                 self.out = nnx.Linear(D, OUT, rngs=rngs)
