@@ -62,16 +62,25 @@ BLOCK_VARIANTS: dict[str, dict[str, Any]] = {
     "ekfac": {"dense": "DenseEigenvalueCorrected"},
     "diagonal": {"dense": "DenseDiagonal"},
 }
+# Kronecker blocks whose statistics are updated every 5 steps (``curvature_update_period=5``).
+PERIOD_VARIANT = 5
+ALL_RUNS = (
+    "adam", "curvax_fixed", "curvax_adaptive", "curvax_adaptive_ekfac", "curvax_adaptive_diagonal",
+    f"curvax_fixed_period{PERIOD_VARIANT}", f"curvax_adaptive_period{PERIOD_VARIANT}",
+)
 
 
 def kfac_runner(
-    images: jax.Array, seed: int, adaptive: bool, fixed: dict[str, float], initial_damping: float, blocks: str = "kronecker"
+    images: jax.Array, seed: int, adaptive: bool, fixed: dict[str, float], initial_damping: float,
+    blocks: str = "kronecker", **opt_kwargs: Any,
 ) -> tuple[Step, Any]:
     """A curvax K-FAC step (adaptive, or with ``fixed`` lr/momentum/damping passed to ``step``)."""
     import curvax
 
     ctors = {tag: getattr(curvax, name) for tag, name in BLOCK_VARIANTS[blocks].items()}
-    opt = ae.make_kfac(adaptive=adaptive, initial_damping=initial_damping, layer_tag_to_block_ctor=ctors or None)
+    opt = ae.make_kfac(
+        adaptive=adaptive, initial_damping=initial_damping, layer_tag_to_block_ctor=ctors or None, **opt_kwargs
+    )
     params = ae.init_params(jax.random.PRNGKey(seed))
     rng = jax.random.PRNGKey(seed + 1)
     state = opt.init(params, rng, images)
@@ -154,8 +163,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--initial-damping", type=float, default=1.0, help="K-FAC adaptive initial damping (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--only", nargs="+", choices=["adam", "curvax_fixed", "curvax_adaptive", "curvax_adaptive_ekfac", "curvax_adaptive_diagonal"],
-        help="run a subset (the block variants run only when named here)",
+        "--only", nargs="+", choices=ALL_RUNS,
+        help="run a subset (the block and period variants run only when named here)",
     )
     p.add_argument("--quick", action="store_true", help="tiny smoke run (64 images, a few steps)")
     p.add_argument("--output", default="benchmarks/results/autoencoder.json", help="JSON output path")
@@ -200,6 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if f"curvax_adaptive_{variant}" in wanted:
             runs.append((f"curvax_adaptive_{variant}",
                          lambda v=variant: kfac_runner(images, args.seed, True, fixed, args.initial_damping, v)))
+    for adaptive in (False, True):
+        name = f"curvax_{'adaptive' if adaptive else 'fixed'}_period{PERIOD_VARIANT}"
+        if name in wanted:
+            runs.append((name, lambda a=adaptive: kfac_runner(
+                images, args.seed, a, fixed, args.initial_damping, curvature_update_period=PERIOD_VARIANT)))
     print(f"MNIST autoencoder, {args.num_images} images full batch, target loss {args.target_loss:g}, "
           f"{jax.default_backend()} backend, {os.cpu_count()} CPUs", flush=True)
     results: dict[str, Any] = {}
@@ -242,7 +256,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         "best_adam": best_adam,
         "best_adam_seconds_to_target": results[best_adam]["seconds_to_target"] if best_adam else None,
     }
-    for mode in ("curvax_fixed", "curvax_adaptive", "curvax_adaptive_ekfac", "curvax_adaptive_diagonal"):
+    for mode in ALL_RUNS[1:]:
         if mode not in results:
             continue
         r = results[mode]

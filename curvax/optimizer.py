@@ -4,7 +4,8 @@ One step, compiled once (periodic work is ``lax.cond`` inside it):
 
 1. one forward pass of the user's value function through our tracer, linearized;
 2. transposes of that linearization give the gradient and the gradients of the
-   sampled loss w.r.t. every layer output (curvature statistics);
+   sampled loss w.r.t. every layer output (curvature statistics, every
+   ``curvature_update_period`` steps: 1 by default, as in kfac-jax);
 3. every ``inverse_update_period`` steps the blocks refresh their inverses;
 4. the preconditioned gradient ``Delta = (C + (l2 + damping) I)^-1 g``;
 5. learning rate and momentum either given, scheduled, or chosen by minimising
@@ -62,7 +63,14 @@ def _as_float(x: Any, name: str) -> jax.Array:
 
 
 class Optimizer:
-    """The K-FAC optimizer (Martens & Grosse, 2015), drop-in for ``kfac_jax.Optimizer``."""
+    """The K-FAC optimizer (Martens & Grosse, 2015), drop-in for ``kfac_jax.Optimizer``.
+
+    Every documented constructor argument is accepted. One argument is ours:
+    ``curvature_update_period`` (default 1) updates the curvature statistics only on steps
+    ``t % period == 0``; the other steps skip the sampled backward pass and the factor products
+    and precondition with the statistics they have. ``curvature_ema`` then decays per update,
+    not per step.
+    """
 
     State = OptimizerState
 
@@ -109,6 +117,7 @@ class Optimizer:
         include_per_param_norms_in_stats: bool = False,
         distributed_precon_apply: bool = True,
         distributed_inverses: bool = True,
+        curvature_update_period: int = 1,
     ):
         if not callable(value_and_grad_func):
             raise TypeError(f"`value_and_grad_func` must be callable, got {type(value_and_grad_func).__name__}.")
@@ -127,7 +136,11 @@ class Optimizer:
             raise ValueError("use_adaptive_damping=True needs `initial_damping` (e.g. initial_damping=1.0).")
         if norm_constraint is not None and use_adaptive_learning_rate:
             raise ValueError("`norm_constraint` can only be used with a fixed or scheduled learning rate.")
-        for name, v in (("damping_adaptation_interval", damping_adaptation_interval), ("inverse_update_period", inverse_update_period)):
+        for name, v in (
+            ("damping_adaptation_interval", damping_adaptation_interval),
+            ("inverse_update_period", inverse_update_period),
+            ("curvature_update_period", curvature_update_period),
+        ):
             if not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {v!r}.")
         if not isinstance(num_burnin_steps, (int, np.integer)) or num_burnin_steps < 0:
@@ -166,6 +179,7 @@ class Optimizer:
         self._estimation_mode = estimation_mode
         self._curvature_ema = float(curvature_ema)
         self._inverse_update_period = int(inverse_update_period)
+        self._curvature_update_period = int(curvature_update_period)
         self._use_exact_inverses = bool(use_exact_inverses)
         self._batch_process_func = batch_process_func
         self._debug = bool(debug)
@@ -470,10 +484,19 @@ class Optimizer:
             dp, de = zero_tangents(p, eps) if cot is None else f_vjp((jnp.zeros_like(loss), cot))
             return assemble_layer_data(pj, p, layer_data, dp, de)
 
-        est_state = est._update_from_cotangents(
-            state.estimator_state, losses, data_for, k_est, self._estimation_mode,
-            self._curvature_ema, 1.0, batch_size, None,
-        )
+        def update_statistics(s):
+            return est._update_from_cotangents(
+                s, losses, data_for, k_est, self._estimation_mode, self._curvature_ema, 1.0, batch_size, None
+            )
+
+        if self._curvature_update_period == 1:
+            est_state = update_statistics(state.estimator_state)
+        else:
+            # Off-period steps skip the sampled backward pass and the factor products entirely
+            # (a conditional runs only its taken branch); the forward pass is shared.
+            est_state = jax.lax.cond(
+                step % self._curvature_update_period == 0, update_statistics, lambda s: s, state.estimator_state
+            )
 
         # 3. Periodic inverse refresh.
         exact, approx = self._cache_powers()

@@ -283,11 +283,49 @@ def test_debug_mode_runs_eagerly_and_matches_the_compiled_step():
     batch = classification_batch(jax.random.PRNGKey(9))
     outs = []
     for debug in (False, True):
-        opt = make_opt(debug=debug, use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+        opt = make_opt(debug=debug)
         state = opt.init(params, KEY, batch)
-        p, state, stats = opt.step(params, state, KEY, batch=batch, damping=1.0)
-        p, state, stats = opt.step(p, state, jax.random.PRNGKey(1), batch=batch, damping=1.0)
+        hyper = dict(learning_rate=0.3, momentum=0.5, damping=1.0)
+        p, state, stats = opt.step(params, state, KEY, batch=batch, **hyper)
+        p, state, stats = opt.step(p, state, jax.random.PRNGKey(1), batch=batch, **hyper)
         outs.append((p, float(stats["loss"])))
         assert opt.trace_count == (2 if debug else 1)  # eager: the step body runs each call
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-5), outs[0][0], outs[1][0])
     np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-5)
+
+
+def test_curvature_update_period_updates_statistics_only_on_its_steps():
+    """Period 3: steps 0 and 3 equal an every-step optimizer's step from the same state; steps 1
+    and 2 keep the statistics unchanged and precondition with them."""
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(11))
+    kw = dict(estimation_mode="ggn_exact", inverse_update_period=1, curvature_ema=0.8)
+    every, periodic = make_opt(**kw), make_opt(curvature_update_period=3, **kw)
+    every.init(params, KEY, batch)
+    state = periodic.init(params, KEY, batch)
+    lr, damping = 0.3, 0.1
+    leaves = jax.tree_util.tree_leaves
+    for t in range(4):
+        p_ref, s_ref, _ = every.step(params, state, KEY, batch=batch, learning_rate=lr, momentum=0.0, damping=damping)
+        p_new, s_new, _ = periodic.step(params, state, KEY, batch=batch, learning_rate=lr, momentum=0.0, damping=damping)
+        if t % 3 == 0:
+            for a, b in zip(leaves(s_new.estimator_state), leaves(s_ref.estimator_state)):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+            jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), p_new, p_ref)
+        else:
+            for a, b in zip(leaves(s_new.estimator_state), leaves(state.estimator_state)):
+                np.testing.assert_array_equal(a, b)
+            g = jax.grad(ce_loss)(params, batch)
+            precon = periodic.estimator.multiply_matpower(state.estimator_state, g, L2 + damping, -1, False, False)
+            want = jax.tree_util.tree_map(lambda p, v: p - lr * v, params, precon)
+            jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p_new, want)
+            # ...which is not what fresh statistics give.
+            assert not np.allclose(ravel_pytree(p_new)[0], ravel_pytree(p_ref)[0], rtol=1e-4)
+        params, state = p_new, s_new
+    assert int(state.step_counter) == 4 and periodic.trace_count == 1
+
+
+def test_curvature_update_period_must_be_a_positive_integer():
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="curvature_update_period"):
+            make_opt(curvature_update_period=bad)
