@@ -220,13 +220,18 @@ BLOCK_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", BLOCK_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_conv_blocks_match_per_example_definitions(cfg):
+def configured_layer(cfg, seed, batch):
+    """A 5x4 two-channel input, four 3x2 filters, configured by one of ``BLOCK_CONFIGS``; plus per-example grads."""
     cfg = dict(cfg)
     layout, bias = cfg.pop("layout"), cfg.pop("bias")
-    batch = 3
-    eqn, f, params, x, dy, spec = make_layer(1, layout, batch, (5, 4), 2, 4, (3, 2), bias, **cfg)
-    g = per_example_grads(f, params, x, dy)
+    eqn, f, params, x, dy, spec = make_layer(seed, layout, batch, (5, 4), 2, 4, (3, 2), bias, **cfg)
+    return eqn, f, params, x, dy, spec, per_example_grads(f, params, x, dy)
+
+
+@pytest.mark.parametrize("cfg", BLOCK_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_conv_blocks_match_per_example_definitions(cfg):
+    batch, layout, bias = 3, cfg["layout"], cfg["bias"]
+    eqn, f, params, x, dy, spec, g = configured_layer(cfg, 1, batch)
 
     kf = conv.Conv2DTwoKroneckerFactored(eqn, "c")
     diag = conv.Conv2DDiagonal(eqn, "c", max_elements_for_vmap=1)  # one example per chunk
@@ -606,11 +611,8 @@ def test_conv_ekfac_equals_kfc_where_kfc_is_exact():
 
 @pytest.mark.parametrize("cfg", BLOCK_CONFIGS[:2], ids=lambda c: c["layout"])
 def test_conv_ekfac_is_never_further_from_the_fisher_than_kfc(cfg):
-    cfg = dict(cfg)
-    layout, bias = cfg.pop("layout"), cfg.pop("bias")
     batch = 4
-    eqn, f, params, x, dy, _ = make_layer(5, layout, batch, (5, 4), 2, 4, (3, 2), bias, **cfg)
-    g = per_example_grads(f, params, x, dy)
+    eqn, f, params, x, dy, _, g = configured_layer(cfg, 5, batch)
     fisher = np.asarray(g.T @ g / batch)
     block = conv.Conv2DEigenvalueCorrected(eqn, "e", max_elements_for_vmap=300)  # several chunks
     ekfac, state = _ekfac_state(block, x, dy, params, batch)
