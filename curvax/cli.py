@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", default="curvax_demo.png",
                       help="where to write the loss-vs-time plot (default curvax_demo.png)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars or layer-registration table")
+    demo.add_argument("--compilation-cache", metavar="DIR", default=None,
+                      help="keep compiled steps in DIR (JAX's persistent compilation cache) so that a later run "
+                      "skips most of the compile time (default: no cache)")
     return parser
 
 
