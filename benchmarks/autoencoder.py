@@ -237,12 +237,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summary,
         "results": results,
     }
-    path = Path(args.output)
+    write_results(args.output, out, summary)
+    return 0
+
+
+def write_results(output: str, out: dict[str, Any], summary: dict[str, Any]) -> None:
+    """Writes ``out`` as JSON to ``output`` (creating its folder) and prints ``summary``."""
+    path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(json.dumps(summary, indent=2))
     print(f"wrote {path}")
-    return 0
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from curvax import datasets
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from autoencoder import machine_info, measure  # noqa: E402  (shared benchmark helpers)
+from autoencoder import machine_info, measure, write_results  # noqa: E402  (shared benchmark helpers)
 
 CHANNELS = (16, 32)
 
@@ -171,11 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     frameworks = framework_first_steps(args.seed)
     out = {"benchmark": "mnist_cnn", "machine": machine_info(), "settings": vars(args), "summary": summary,
            "results": results, "framework_first_steps": frameworks}
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {path}")
+    write_results(args.output, out, summary)
     return 0
 
 

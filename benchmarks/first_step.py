@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 MODES = ("adam", "curvax_fixed", "curvax_adaptive")
 CACHES = ("no_cache", "cold", "warm")
@@ -113,11 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     out = {"benchmark": "first_step", "machine": bench.machine_info(), "settings": vars(args),
            "summary_median": summary, "runs": runs}
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {path}")
+    bench.write_results(args.output, out, summary)
     return 0
 
 
