@@ -34,8 +34,10 @@ from curvax.blocks import (
     WeightedMovingAverage,
     get_default_eigen_decomposition_threshold,
     get_default_tag_to_block_ctor,
+    get_max_parallel_elements,
     set_default_eigen_decomposition_threshold,
     set_default_tag_to_block_ctor,
+    set_max_parallel_elements,
 )
 from curvax.estimators import (
     BlockDiagonalCurvature,
@@ -157,6 +159,7 @@ __all__ = [
     "auto_register_tags",
     "get_default_eigen_decomposition_threshold",
     "get_default_tag_to_block_ctor",
+    "get_max_parallel_elements",
     "layer_tags_vjp",
     "loss_tags_hvp",
     "loss_tags_jvp",
@@ -171,5 +174,6 @@ __all__ = [
     "register_squared_error_loss",
     "set_default_eigen_decomposition_threshold",
     "set_default_tag_to_block_ctor",
+    "set_max_parallel_elements",
     "utils",
 ]

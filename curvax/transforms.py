@@ -35,47 +35,66 @@ def _shape_key(func_args: Sequence[Any]) -> Any:
 class ProcessedJaxpr:
     """A traced function with its registered losses and its layers.
 
+    Build one from a function with ``ProcessedJaxpr.make_from_func(func, func_args)``,
+    or from a jaxpr as kfac-jax documents: ``ProcessedJaxpr(jaxpr, consts, in_tree,
+    params_index)``, where ``in_tree`` is the structure of the argument tuple.
+
     Attributes:
-      program: the flat program of the function.
+      jaxpr, consts: the traced function (``in_vars``/``params_vars`` and their
+        ``_flat`` forms are its input and parameter variables).
+      program: the flat program of the function that curvax evaluates.
       in_tree: pytree structure of the function's arguments.
       params_index: which argument holds the parameters.
       loss_sites / layer_sites: the registered losses and the layers (sorted by
-        their first parameter).
+        their first parameter); ``loss_tags`` is ``loss_sites``.
       layer_tags: one ``LayerTagEqn`` per layer, which blocks are built from.
       layer_indices: per layer, the flat indices of its parameters.
     """
 
     def __init__(
         self,
-        func: Callable[..., Any],
-        func_args: Sequence[Any],
+        jaxpr: _compat.Jaxpr,
+        consts: Sequence[Any],
+        in_tree: Any,
         params_index: int = 0,
+        allow_left_out_params: bool = False,
+        *,
+        out_tree: Any = None,
         auto_register_tags: bool = True,
-        allow_left_out_params: bool = True,
         register_only_generic: bool = False,
         patterns_to_skip: Sequence[str] = (),
         allow_no_losses: bool = False,
         graph_patterns: Sequence[Any] | None = None,
         **unused_kwargs: Any,
     ):
-        func_args = tuple(func_args)
-        if not 0 <= params_index < len(func_args):
-            raise ValueError(f"params_index={params_index} is out of range for {len(func_args)} function arguments.")
-        for path, leaf in jax.tree_util.tree_flatten_with_path(func_args[params_index])[0]:
-            if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-                raise TypeError(
-                    f"Parameter {jax.tree_util.keystr(path) or '<root>'} has dtype {jnp.result_type(leaf)}; "
-                    "curvax optimizes floating-point parameters only (cast it, or move it out of `params`)."
-                )
-        self.func = func
+        if not isinstance(jaxpr, _compat.Jaxpr):
+            raise TypeError(
+                f"ProcessedJaxpr takes a jaxpr (jax.make_jaxpr(f)(*args).jaxpr), got {type(jaxpr).__name__}; "
+                "to trace a function use ProcessedJaxpr.make_from_func(func, func_args)."
+            )
+        if in_tree.num_leaves != len(jaxpr.invars):
+            raise ValueError(f"in_tree has {in_tree.num_leaves} leaves but the jaxpr takes {len(jaxpr.invars)} inputs.")
+        arg_trees = in_tree.children()
+        if not 0 <= params_index < len(arg_trees):
+            raise ValueError(f"params_index={params_index} is out of range for {len(arg_trees)} function arguments.")
+        offset = sum(t.num_leaves for t in arg_trees[:params_index])
         self.params_index = params_index
-        self.in_tree = jax.tree_util.tree_structure(func_args)
-        self.params_tree = jax.tree_util.tree_structure(func_args[params_index])
-        offset = sum(len(jax.tree_util.tree_leaves(a)) for a in func_args[:params_index])
+        self.in_tree = in_tree
+        self.params_tree = arg_trees[params_index]
         self.num_params = self.params_tree.num_leaves
         self.params_offset = offset
-        closed = _compat.make_jaxpr(func, *func_args)
-        self.out_tree = jax.tree_util.tree_structure(jax.eval_shape(func, *func_args))
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(self.params_tree, range(self.num_params)))[0]]
+        for path, v in zip(paths, jaxpr.invars[offset : offset + self.num_params]):
+            if not jnp.issubdtype(v.aval.dtype, jnp.inexact):
+                path = jax.tree_util.keystr(path)
+                raise TypeError(
+                    f"Parameter {path or '<root>'} has dtype {v.aval.dtype}; "
+                    "curvax optimizes floating-point parameters only (cast it, or move it out of `params`)."
+                )
+        closed = _compat.ClosedJaxpr(jaxpr, list(consts))
+        self.closed_jaxpr = closed
+        self.out_tree = out_tree if out_tree is not None else jax.tree_util.tree_structure([0] * len(jaxpr.outvars))
         self.program = Program(closed, range(offset, offset + self.num_params))
         self.loss_sites: tuple[LossSite, ...] = tuple(find_loss_sites(self.program))
         if not self.loss_sites and not allow_no_losses:
@@ -104,9 +123,65 @@ class ProcessedJaxpr:
         self.layer_sites: tuple[LayerSite, ...] = det.sites
         self.layer_tags = tuple(detection.site_to_tag_eqn(self.program, s) for s in self.layer_sites)
         self.layer_indices = tuple(s.param_indices for s in self.layer_sites)
-        if not allow_left_out_params and any(s.tag is tags.generic and s.pattern == "generic" for s in self.layer_sites):
-            left = [i for s in self.layer_sites if s.pattern == "generic" for i in s.param_indices]
-            raise ValueError(f"Parameters {left} are not part of any registered layer.")
+        # With automatic registration every parameter gets a block (a generic one at worst),
+        # as in kfac-jax; without it, parameters outside manually registered layers are left out.
+        left = [i for s in self.layer_sites if s.pattern == "generic" for i in s.param_indices]
+        if not allow_left_out_params and not auto_register_tags and left:
+            raise ValueError(
+                f"Parameters {left} are not part of any registered layer (auto_register_tags=False); register "
+                "them, or pass allow_left_out_params=True to give them generic blocks."
+            )
+
+    @classmethod
+    def make_from_func(
+        cls,
+        func: Callable[..., Any],
+        func_args: Sequence[Any],
+        params_index: int = 0,
+        auto_register_tags: bool = True,
+        allow_left_out_params: bool = False,
+        **auto_registration_kwargs: Any,
+    ) -> "ProcessedJaxpr":
+        """Traces ``func(*func_args)`` and detects its losses and layers."""
+        func_args = tuple(func_args)
+        if not 0 <= params_index < len(func_args):
+            raise ValueError(f"params_index={params_index} is out of range for {len(func_args)} function arguments.")
+        closed = _compat.make_jaxpr(func, *func_args)
+        out_tree = jax.tree_util.tree_structure(jax.eval_shape(func, *func_args))
+        return cls(
+            closed.jaxpr, closed.consts, jax.tree_util.tree_structure(func_args), params_index, allow_left_out_params,
+            out_tree=out_tree, auto_register_tags=auto_register_tags, **auto_registration_kwargs,
+        )
+
+    # --- kfac-jax's documented attributes -------------------------------------------
+
+    @property
+    def jaxpr(self) -> _compat.Jaxpr:
+        return self.closed_jaxpr.jaxpr
+
+    @property
+    def consts(self) -> list[Any]:
+        return list(self.closed_jaxpr.consts)
+
+    @property
+    def in_vars_flat(self) -> list[Any]:
+        return list(self.jaxpr.invars)
+
+    @property
+    def in_vars(self) -> Any:
+        return jax.tree_util.tree_unflatten(self.in_tree, self.in_vars_flat)
+
+    @property
+    def params_vars_flat(self) -> list[Any]:
+        return self.in_vars_flat[self.params_offset : self.params_offset + self.num_params]
+
+    @property
+    def params_vars(self) -> Any:
+        return jax.tree_util.tree_unflatten(self.params_tree, self.params_vars_flat)
+
+    @property
+    def loss_tags(self) -> tuple[LossSite, ...]:
+        return self.loss_sites
 
     # --- structure ----------------------------------------------------------------
 
@@ -263,7 +338,7 @@ class _Cache:
         key = _shape_key(func_args)
         pj = self._by_shape.get(key)
         if pj is None:
-            pj = ProcessedJaxpr(self.func, func_args, self.params_index, **self.kwargs)
+            pj = ProcessedJaxpr.make_from_func(self.func, func_args, self.params_index, allow_left_out_params=True, **self.kwargs)
             if self.first is None:
                 self.first = pj
             elif self.raise_on_diff and pj.structure() != self.first.structure():
@@ -504,10 +579,11 @@ def auto_register_tags(
         )
     if allow_multiple_registrations:
         raise NotImplementedError("allow_multiple_registrations=True is not implemented in curvax yet (planned).")
-    pj = ProcessedJaxpr(
+    pj = ProcessedJaxpr.make_from_func(
         func,
         func_args,
         params_index,
+        allow_left_out_params=True,
         register_only_generic=register_only_generic,
         patterns_to_skip=patterns_to_skip,
         graph_patterns=graph_patterns,

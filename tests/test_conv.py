@@ -462,7 +462,7 @@ def test_conv1d_and_conv3d_are_detected_through_kernel_casts(n):
         curvax.register_squared_error_loss(out, jnp.zeros_like(out))
         return jnp.sum(out**2)
 
-    pj = transforms.ProcessedJaxpr(loss, ({"w": w}, x))
+    pj = transforms.ProcessedJaxpr.make_from_func(loss, ({"w": w}, x))
     assert [s.pattern for s in pj.layer_sites] == [f"conv{n}d_no_bias"]
     assert isinstance(blocks.get_default_tag_to_block_ctor(f"conv{n}d")(pj.layer_tags[0], "c"), conv.ConvTwoKroneckerFactored)
 

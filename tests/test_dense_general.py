@@ -39,7 +39,7 @@ def heads_problem(batch, seed=0):
 
 def test_multi_axis_kernels_are_detected_as_dense():
     loss, params, data = heads_problem(4)
-    pj = curvax.ProcessedJaxpr(loss, (params, data))
+    pj = curvax.ProcessedJaxpr.make_from_func(loss, (params, data))
     assert [(s.tag.name, s.pattern) for s in pj.layer_sites] == [("dense", "dense_with_bias")] * 2
     meta = pj.layer_sites[1].meta  # qkv: w (3, 2, 2), contract axis 0
     assert meta["kernel_layout"] == "general"
@@ -88,7 +88,7 @@ def test_flax_attention_registers_every_projection():
         curvax.register_squared_error_loss(y, b[1])
         return jnp.sum((y - b[1]) ** 2)
 
-    pj = curvax.ProcessedJaxpr(loss, (params, (x, jnp.zeros((2, 5, 3)))))
+    pj = curvax.ProcessedJaxpr.make_from_func(loss, (params, (x, jnp.zeros((2, 5, 3)))))
     assert [s.pattern for s in pj.layer_sites] == ["dense_with_bias"] * 5
     opt = curvax.Optimizer(
         value_and_grad_func=jax.value_and_grad(loss), l2_reg=0.0, use_adaptive_learning_rate=True,

@@ -21,7 +21,7 @@ def _value_func(loss_fn):
 @pytest.mark.parametrize("framework", sorted(FRAMEWORK_MLPS))
 def test_framework_mlp_registers_two_dense_layers_with_bias(framework):
     loss_fn, params, batch = FRAMEWORK_MLPS[framework](jax.random.PRNGKey(0))
-    pj = transforms.ProcessedJaxpr(_value_func(loss_fn), (params, batch))
+    pj = transforms.ProcessedJaxpr.make_from_func(_value_func(loss_fn), (params, batch))
     assert [s.pattern for s in pj.layer_sites] == ["dense_with_bias", "dense_with_bias"]
     assert [s.tag.name for s in pj.layer_sites] == ["dense", "dense"]
     # Every parameter leaf belongs to exactly one layer.
@@ -85,7 +85,7 @@ def test_dense_inside_nested_jit_is_detected():
         curvax.register_squared_error_loss(out, batch[1])
         return jnp.mean((out - batch[1]) ** 2)
 
-    pj = transforms.ProcessedJaxpr(_value_func(loss), ({"w": w, "b": b}, (jnp.ones((2, 3)), jnp.ones((2, 4)))))
+    pj = transforms.ProcessedJaxpr.make_from_func(_value_func(loss), ({"w": w, "b": b}, (jnp.ones((2, 3)), jnp.ones((2, 4)))))
     assert [s.pattern for s in pj.layer_sites] == ["dense_with_bias"]
 
 
@@ -105,7 +105,7 @@ def test_weight_sharing_and_unknown_ops_fall_back_to_generic():
         return jnp.mean((out - batch[1]) ** 2)
 
     params = {"w": jnp.ones((3, 3)), "s": jnp.ones(3)}
-    pj = transforms.ProcessedJaxpr(_value_func(loss), (params, (jnp.ones((2, 3)), jnp.ones((2, 3)))))
+    pj = transforms.ProcessedJaxpr.make_from_func(_value_func(loss), (params, (jnp.ones((2, 3)), jnp.ones((2, 3)))))
     # The custom_jvp function is read through (its operand is a parameter): ``x * s`` is a scale layer.
     assert [s.pattern for s in pj.layer_sites] == ["scale_only", "generic"]
     assert any("weight sharing" in n for n in pj.notes)
@@ -123,20 +123,20 @@ def test_manual_registration_wins_and_patterns_can_be_skipped():
 
     params = {"b": jnp.zeros(4), "v": jnp.ones((4, 2)), "w": jnp.ones((3, 4))}
     args = (params, (jnp.ones((2, 3)), jnp.ones((2, 2))))
-    pj = transforms.ProcessedJaxpr(_value_func(loss), args)
+    pj = transforms.ProcessedJaxpr.make_from_func(_value_func(loss), args)
     assert sorted(s.pattern for s in pj.layer_sites) == ["dense_no_bias", "manual"]
-    pj = transforms.ProcessedJaxpr(_value_func(loss), args, patterns_to_skip=("dense_no_bias",))
+    pj = transforms.ProcessedJaxpr.make_from_func(_value_func(loss), args, patterns_to_skip=("dense_no_bias",))
     assert sorted(s.pattern for s in pj.layer_sites) == ["generic", "manual"]
-    pj = transforms.ProcessedJaxpr(_value_func(loss), args, register_only_generic=True)
+    pj = transforms.ProcessedJaxpr.make_from_func(_value_func(loss), args, register_only_generic=True)
     assert sorted(s.pattern for s in pj.layer_sites) == ["generic", "manual"]
     with pytest.raises(ValueError, match="patterns_to_skip"):
-        transforms.ProcessedJaxpr(_value_func(loss), args, patterns_to_skip=("nope",))
+        transforms.ProcessedJaxpr.make_from_func(_value_func(loss), args, patterns_to_skip=("nope",))
 
 
 def test_no_registered_loss_is_a_clear_error():
     loss = lambda p, b: jnp.mean((b[0] @ p["w"]) ** 2)
     with pytest.raises(ValueError, match="No loss is registered"):
-        transforms.ProcessedJaxpr(loss, ({"w": jnp.ones((3, 2))}, (jnp.ones((2, 3)),)))
+        transforms.ProcessedJaxpr.make_from_func(loss, ({"w": jnp.ones((3, 2))}, (jnp.ones((2, 3)),)))
 
 
 def test_auto_register_tags_binds_tags_and_keeps_values():
@@ -169,7 +169,7 @@ def test_generic_fallbacks_are_explained_in_the_report():
         "tied": jnp.eye(4), "unused": jnp.ones(3), "w1": jnp.ones((3, 4)), "w2": jnp.ones((4, 2)),
     }
     args = (params, (jnp.ones((5, 3)), jnp.ones((5, 2))))
-    pj = transforms.ProcessedJaxpr(_value_func(loss), args)
+    pj = transforms.ProcessedJaxpr.make_from_func(_value_func(loss), args)
     by_param = {s.param_indices: s for s in pj.layer_sites}
     paths = sorted(params)  # dict leaves flatten in sorted key order
     idx = {k: (paths.index(k),) for k in paths}

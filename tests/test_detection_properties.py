@@ -15,7 +15,7 @@ SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
 
 
 def _detected(loss, params, batch):
-    pj = curvax.ProcessedJaxpr(loss, (params, batch))
+    pj = curvax.ProcessedJaxpr.make_from_func(loss, (params, batch))
     paths = curvax.utils.param_paths(params)
     return sorted((s.tag.name, s.pattern, tuple(paths[i] for i in s.param_indices)) for s in pj.layer_sites)
 

@@ -220,7 +220,7 @@ def test_manual_registration_and_shared_tables():
 
     params = _plain("index")[1]
     batch = (jnp.array([[1, 2], [3, 1]]), jnp.zeros((2, 2, 2)))
-    pj = transforms.ProcessedJaxpr(loss, (params, batch))
+    pj = transforms.ProcessedJaxpr.make_from_func(loss, (params, batch))
     assert sorted((s.pattern, s.tag.name) for s in pj.layer_sites) == [("dense_no_bias", "dense"), ("manual", "embedding")]
 
     def tied(p, b):  # the table is also the output projection: weight sharing, generic block
@@ -228,7 +228,7 @@ def test_manual_registration_and_shared_tables():
         curvax.register_squared_error_loss(out, b[1])
         return jnp.mean((out - b[1]) ** 2)
 
-    pj = transforms.ProcessedJaxpr(tied, ({"table": params["table"]}, (batch[0], jnp.zeros((2, 2, V)))))
+    pj = transforms.ProcessedJaxpr.make_from_func(tied, ({"table": params["table"]}, (batch[0], jnp.zeros((2, 2, V)))))
     assert [s.pattern for s in pj.layer_sites] == ["generic"]
     table = params["table"]
     with pytest.raises(ValueError, match="2-D"):

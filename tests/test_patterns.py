@@ -140,7 +140,7 @@ def test_guide_example_optimizer_takes_the_newton_step():
 
 
 def _sites(func, args, **kwargs):
-    pj = transforms.ProcessedJaxpr(func, args, **kwargs)
+    pj = transforms.ProcessedJaxpr.make_from_func(func, args, **kwargs)
     return pj, [(s.tag.name, s.pattern, s.param_indices) for s in pj.layer_sites]
 
 
@@ -189,7 +189,7 @@ def test_pattern_traced_on_2d_examples_matches_3d_inputs_and_fills_dense_meta():
     pj, got = _sites(_mlp_loss, (p, batch), graph_patterns=(pat,))
     assert got[:2] == [("dense", "seq_dense", (0, 1)), ("dense", "seq_dense", (3, 2))]
     assert pj.layer_sites[0].meta == {"kernel_layout": "io", "input_feature_axis": -1, "output_feature_axis": -1}
-    builtin = transforms.ProcessedJaxpr(_mlp_loss, (p, batch))
+    builtin = transforms.ProcessedJaxpr.make_from_func(_mlp_loss, (p, batch))
     for mine, ref in zip(pj.layer_tags[:2], builtin.layer_tags[:2]):
         assert (mine.inputs, mine.outputs, mine.params) == (ref.inputs, ref.outputs, ref.params)
         curvax.DenseTwoKroneckerFactored(mine, "x")  # the built-in block accepts the layer

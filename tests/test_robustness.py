@@ -61,7 +61,7 @@ def make_problem():
 
 def test_unknown_primitives_do_not_crash_detection_and_the_layers_around_them_are_found():
     loss, params, batch = make_problem()
-    pj = transforms.ProcessedJaxpr(loss, (params, batch))
+    pj = transforms.ProcessedJaxpr.make_from_func(loss, (params, batch))
     paths = sorted(params)
     by_param = {tuple(paths[i] for i in s.param_indices): s for s in pj.layer_sites}
     assert by_param[("w1", "b1")].pattern == "dense_with_bias"
@@ -89,7 +89,7 @@ def test_only_the_value_output_is_differentiated():
     """``evaluate(with_outputs=True)``: the value keeps its derivative, the user's gradient is read only."""
     loss, params, batch = make_problem()
     vg = jax.value_and_grad(loss)
-    pj = transforms.ProcessedJaxpr(vg, (params, batch))
+    pj = transforms.ProcessedJaxpr.make_from_func(vg, (params, batch))
     p, o = pj.split_args((params, batch))
 
     def value(q):

@@ -236,7 +236,7 @@ def test_feature_axis_other_than_last_and_skipping():
     )
     j = jnp.concatenate(jac, axis=1)
     np.testing.assert_allclose(block.to_dense_matrix(fitted(block, data)), j.T @ j / B, atol=1e-12)
-    pj = transforms.ProcessedJaxpr(loss, (params, batch), patterns_to_skip=("scale_and_shift",))
+    pj = transforms.ProcessedJaxpr.make_from_func(loss, (params, batch), patterns_to_skip=("scale_and_shift",))
     assert [s.pattern for s in pj.layer_sites] == ["generic", "generic"]
 
 
@@ -259,7 +259,7 @@ def test_manual_registration(legacy):
 
     params = {"scale": jnp.ones(D), "shift": jnp.zeros(D)}
     batch = (jnp.ones((B, D)), jnp.zeros((B, D)))
-    pj = transforms.ProcessedJaxpr(loss, (params, batch))
+    pj = transforms.ProcessedJaxpr.make_from_func(loss, (params, batch))
     (site,) = pj.layer_sites
     assert site.pattern == "manual" and site.tag is ss.scale_and_shift
     assert site.param_indices == (0, 1) and site.meta["has_scale"] and site.meta["has_shift"]

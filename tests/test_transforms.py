@@ -100,3 +100,44 @@ def test_wrong_cotangent_shapes_are_reported():
         vjp([])
     with pytest.raises(ValueError, match="shapes"):
         vjp([(jnp.ones((5, 3)),)])
+
+
+def test_processed_jaxpr_from_documented_constructor_equals_make_from_func():
+    loss, params, batch = setup()
+    pj = curvax.ProcessedJaxpr.make_from_func(loss, (params, batch))
+    closed = jax.make_jaxpr(loss)(params, batch)
+    again = curvax.ProcessedJaxpr(closed.jaxpr, closed.consts, jax.tree_util.tree_structure((params, batch)), 0)
+    assert [t.tag_name for t in again.layer_tags] == [t.tag_name for t in pj.layer_tags] == ["dense", "dense"]
+    assert again.layer_indices == pj.layer_indices and len(again.loss_tags) == len(pj.loss_tags) == 1
+    # Its variables are the jaxpr's, split as the arguments are.
+    assert again.in_vars_flat == list(closed.jaxpr.invars)
+    leaves = jax.tree_util.tree_leaves(params)
+    assert [v.aval.shape for v in jax.tree_util.tree_leaves(again.params_vars)] == [x.shape for x in leaves]
+    assert jax.tree_util.tree_structure(again.params_vars) == jax.tree_util.tree_structure(params)
+    assert again.params_vars_flat == list(closed.jaxpr.invars[: len(leaves)])
+    # And it evaluates the same loss input as the function.
+    p, o = again.split_args((params, batch))
+    (deps, _), _ = again.evaluate(p, o)
+    np.testing.assert_allclose(deps[0][0], model(params, batch[0]), rtol=1e-12)
+
+
+def test_processed_jaxpr_bad_input():
+    loss, params, batch = setup()
+    with pytest.raises(TypeError, match="make_from_func"):
+        curvax.ProcessedJaxpr(loss, (params, batch), None)
+    closed = jax.make_jaxpr(loss)(params, batch)
+    with pytest.raises(ValueError, match="params_index=2"):
+        curvax.ProcessedJaxpr(closed.jaxpr, closed.consts, jax.tree_util.tree_structure((params, batch)), 2)
+    with pytest.raises(ValueError, match="leaves"):
+        curvax.ProcessedJaxpr(closed.jaxpr, closed.consts, jax.tree_util.tree_structure((params,)), 0)
+
+
+def test_left_out_parameters_are_an_error_only_without_automatic_registration():
+    loss, params, batch = setup()
+    with pytest.raises(ValueError, match="not part of any registered layer"):
+        curvax.ProcessedJaxpr.make_from_func(loss, (params, batch), auto_register_tags=False)
+    manual = curvax.ProcessedJaxpr.make_from_func(loss, (params, batch), auto_register_tags=False,
+                                                  allow_left_out_params=True)
+    assert {t.tag_name for t in manual.layer_tags} == {"generic"}
+    auto = curvax.ProcessedJaxpr.make_from_func(loss, (params, batch))
+    assert [t.tag_name for t in auto.layer_tags] == ["dense", "dense"]

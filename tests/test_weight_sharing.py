@@ -131,7 +131,7 @@ def tied_problem(batch=3, seed=1):
 
 def test_tied_dense_weights_form_one_kronecker_layer():
     model, loss, params, data = tied_problem()
-    pj = curvax.ProcessedJaxpr(loss, (params, data))
+    pj = curvax.ProcessedJaxpr.make_from_func(loss, (params, data))
     sites = {s.param_indices: s for s in pj.layer_sites}
     tied = sites[(2, 0)]  # w (index 2) with its bias b (index 0)
     assert tied.tag.name == "dense" and len(tied.uses) == 2

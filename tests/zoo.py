@@ -400,6 +400,6 @@ EXPECTED: dict[str, Counter] = {
 
 def registration(loss: Callable, params: Any, batch: Any) -> Counter:
     """What curvax detected, in the form of ``EXPECTED``."""
-    pj = curvax.ProcessedJaxpr(loss, (params, batch))
+    pj = curvax.ProcessedJaxpr.make_from_func(loss, (params, batch))
     sizes = [int(np.prod(np.shape(leaf))) for leaf in jax.tree_util.tree_leaves(params)]
     return Counter((s.tag.name, tuple(sorted(sizes[i] for i in s.param_indices))) for s in pj.layer_sites)
