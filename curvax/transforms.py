@@ -338,7 +338,9 @@ class _Cache:
         key = _shape_key(func_args)
         pj = self._by_shape.get(key)
         if pj is None:
-            pj = ProcessedJaxpr.make_from_func(self.func, func_args, self.params_index, allow_left_out_params=True, **self.kwargs)
+            pj = ProcessedJaxpr.make_from_func(
+                self.func, func_args, self.params_index, allow_left_out_params=True, **self.kwargs
+            )
             if self.first is None:
                 self.first = pj
             elif self.raise_on_diff and pj.structure() != self.first.structure():
