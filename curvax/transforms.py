@@ -144,8 +144,6 @@ class ProcessedJaxpr:
     ) -> "ProcessedJaxpr":
         """Traces ``func(*func_args)`` and detects its losses and layers."""
         func_args = tuple(func_args)
-        if not 0 <= params_index < len(func_args):
-            raise ValueError(f"params_index={params_index} is out of range for {len(func_args)} function arguments.")
         closed = _compat.make_jaxpr(func, *func_args)
         out_tree = jax.tree_util.tree_structure(jax.eval_shape(func, *func_args))
         return cls(

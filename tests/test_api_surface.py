@@ -68,11 +68,11 @@ def test_documented_name_and_signature(name: str):
     entry = API[name]
     if entry["params"] is not None:
         _check_parameters(f"curvax.{name}", obj, entry["params"], drop_self=False)
+    # Members documented under a class may belong to its nested `State` (a dataclass or NamedTuple).
+    state = getattr(obj, "State", None)
+    state_fields = set(getattr(state, "_fields", ())) | set(getattr(state, "__dataclass_fields__", {}))
     missing = []
     for member, documented in sorted(entry["members"].items()):
-        # Members documented under a class may belong to its nested `State` (a dataclass or NamedTuple).
-        state = getattr(obj, "State", None)
-        state_fields = set(getattr(state, "_fields", ())) | {f.name for f in getattr(state, "__dataclass_fields__", {}).values()}
         if hasattr(obj, member):
             if documented is not None:
                 _check_parameters(f"curvax.{name}.{member}", getattr(obj, member), documented, drop_self=True)
