@@ -233,6 +233,15 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         self._require_finalized()
         return self._pj  # type: ignore[return-value]
 
+    def processed_jaxpr_for(self, func_args: Sequence[Any]) -> ProcessedJaxpr:
+        """The traced function at the shapes of ``func_args`` (traced once per shape).
+
+        Every trace must find the same layers and losses as the first, so the blocks built
+        from the first apply to all; a batch of another size gets its own trace.
+        """
+        self.finalize(func_args)
+        return self._cache.get(func_args)
+
     @property
     def blocks(self) -> tuple[Any, ...] | None:
         return self._blocks
@@ -327,9 +336,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     def update_curvature_matrix_estimate(
         self, state, ema_old, ema_new, batch_size, rng, func_args, pmap_axis_name=None, estimation_mode=None
     ) -> BlockDiagonalState:
-        self.finalize(func_args)
+        pj = self.processed_jaxpr_for(func_args)
         mode = check_estimation_mode(estimation_mode or self.default_estimation_mode)
-        pj = self._pj
         p, o = pj.split_args(func_args)  # type: ignore[union-attr]
         eps = pj.zero_perturbations(p, o)  # type: ignore[union-attr]
         (deps, _), vjp, (ops, layer_data) = jax.vjp(lambda q, e: pj.evaluate(q, o, e), p, eps, has_aux=True)  # type: ignore[union-attr]

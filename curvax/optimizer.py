@@ -65,11 +65,18 @@ def _as_float(x: Any, name: str) -> jax.Array:
 class Optimizer:
     """The K-FAC optimizer (Martens & Grosse, 2015), drop-in for ``kfac_jax.Optimizer``.
 
-    Every documented constructor argument is accepted. One argument is ours:
-    ``curvature_update_period`` (default 1) updates the curvature statistics only on steps
-    ``t % period == 0``; the other steps skip the sampled backward pass and the factor products
-    and precondition with the statistics they have. ``curvature_ema`` then decays per update,
-    not per step.
+    Every documented constructor argument is accepted. Two arguments are ours, both off by default:
+
+    - ``curvature_update_period`` (default 1) updates the curvature statistics only on steps
+      ``t % period == 0``; the other steps skip the sampled backward pass and the factor products
+      and precondition with the statistics they have. ``curvature_ema`` then decays per update,
+      not per step.
+    - ``curvature_batch_fraction`` (default 1.0) estimates the curvature on a random
+      ``ceil(fraction * n)`` examples of each batch of ``n``, drawn anew every step: the
+      statistics (burn-in included) and the exact quadratic model's curvature products
+      ``v^T C w`` of the adaptive learning rate and momentum. The gradient, the loss and the
+      damping's reduction ratio keep the whole batch. The curvature work shrinks with the
+      fraction, at the price of a separate forward pass on the sub-batch.
     """
 
     State = OptimizerState
@@ -118,6 +125,7 @@ class Optimizer:
         distributed_precon_apply: bool = True,
         distributed_inverses: bool = True,
         curvature_update_period: int = 1,
+        curvature_batch_fraction: float = 1.0,
     ):
         if not callable(value_and_grad_func):
             raise TypeError(f"`value_and_grad_func` must be callable, got {type(value_and_grad_func).__name__}.")
@@ -143,6 +151,14 @@ class Optimizer:
         ):
             if not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {v!r}.")
+        if (
+            isinstance(curvature_batch_fraction, bool)
+            or not isinstance(curvature_batch_fraction, (int, float, np.integer, np.floating))
+            or not 0.0 < float(curvature_batch_fraction) <= 1.0
+        ):
+            raise ValueError(
+                f"`curvature_batch_fraction` must be a number in (0, 1], got {curvature_batch_fraction!r}."
+            )
         if not isinstance(num_burnin_steps, (int, np.integer)) or num_burnin_steps < 0:
             raise ValueError(f"`num_burnin_steps` must be a non-negative integer, got {num_burnin_steps!r}.")
         if not 0.0 <= float(curvature_ema) <= 1.0:
@@ -180,6 +196,7 @@ class Optimizer:
         self._curvature_ema = float(curvature_ema)
         self._inverse_update_period = int(inverse_update_period)
         self._curvature_update_period = int(curvature_update_period)
+        self._curvature_batch_fraction = float(curvature_batch_fraction)
         self._use_exact_inverses = bool(use_exact_inverses)
         self._batch_process_func = batch_process_func
         self._debug = bool(debug)
@@ -361,6 +378,7 @@ class Optimizer:
         if self._batch_process_func is not None:
             batch = self._batch_process_func(batch)
         k1, k2 = jax.random.split(rng)
+        batch = self._curvature_batch(k1, batch)
         func_args = self._make_func_args(params, func_state, k2, batch)
         est = self._estimator.update_curvature_matrix_estimate(
             state.estimator_state, 1.0, 1.0, self._batch_size_extractor(batch), k1, func_args,
@@ -446,24 +464,15 @@ class Optimizer:
             return params, state, func_state, stats
         return params, state, stats
 
-    def _schedule_value(self, schedule: Callable | None, given: jax.Array, step: jax.Array) -> jax.Array:
-        return jnp.asarray(schedule(step), jnp.float32) if schedule is not None else given
+    def _linearized(self, func_args: Sequence[Any]) -> tuple:
+        """The value function at ``func_args``, linearized in (parameters, layer-output perturbations).
 
-    def _step_impl(self, params, state, rng, batch, func_state, lr_arg, mom_arg, damp_arg):
-        self.trace_count += 1
-        est = self._estimator
-        pj = est.processed_jaxpr
-        step = state.step_counter
-        if self._batch_process_func is not None:
-            batch = self._batch_process_func(batch)
-        batch_size = self._batch_size_extractor(batch)
-        k_est, k_func = jax.random.split(rng)
-        func_args = self._make_func_args(params, func_state, k_func, batch)
-
-        damping = state.damping if self._adaptive_damping else self._schedule_value(self._damping_schedule, damp_arg, step)
-        identity_weight = self._l2_reg + damping
-
-        # 1-2. One linearized forward pass: loss, gradient, curvature statistics.
+        Returns ``((loss, deps), f_vjp, outs, losses, data_for, deps_jvp)``: ``f_vjp`` is the
+        transposed linearization, ``outs`` the function's flat outputs, ``losses`` the registered
+        losses, ``data_for(cotangents)`` the per-layer estimation data for cotangents of the loss
+        inputs, and ``deps_jvp(v)`` the loss inputs' tangents along a parameter vector ``v``.
+        """
+        pj = self._estimator.processed_jaxpr_for(func_args)
         p, o = pj.split_args(func_args)
         eps = pj.zero_perturbations(p, o)
 
@@ -471,22 +480,68 @@ class Optimizer:
             (deps, outs), aux = pj.evaluate(q, o, e, with_outputs=True)
             return (outs[0], deps), (aux, outs)
 
-        (loss, deps), f_jvp, (aux_data, outs) = jax.linearize(fwd, p, eps, has_aux=True)
+        (loss, deps), f_jvp, ((ops, layer_data), outs) = jax.linearize(fwd, p, eps, has_aux=True)
         f_vjp = jax.linear_transpose(f_jvp, p, eps)
-        zero_deps = jax.tree_util.tree_map(jnp.zeros_like, deps)
-        grads_flat, _ = f_vjp((jnp.ones_like(loss), zero_deps))
-        grads = jax.tree_util.tree_unflatten(pj.params_tree, grads_flat)
-        ops, layer_data = aux_data
-        losses = pj.losses_from_operands(ops)
-        _, new_func_state, aux = self._split_outputs(jax.tree_util.tree_unflatten(pj.out_tree, list(outs)))
 
         def data_for(cot):
             dp, de = zero_tangents(p, eps) if cot is None else f_vjp((jnp.zeros_like(loss), cot))
             return assemble_layer_data(pj, p, layer_data, dp, de)
 
+        def deps_jvp(v):
+            return f_jvp(jax.tree_util.tree_leaves(v), jax.tree_util.tree_map(jnp.zeros_like, eps))[1]
+
+        return (loss, deps), f_vjp, outs, pj.losses_from_operands(ops), data_for, deps_jvp
+
+    def _curvature_batch(self, key: jax.Array, batch: Any) -> Any:
+        """The examples the curvature is estimated on: all of ``batch``, or a random fraction of it."""
+        if self._curvature_batch_fraction >= 1.0:
+            return batch
+        return utils.subsample_batch(batch, self._curvature_batch_fraction, jax.random.fold_in(key, 1))
+
+    def _schedule_value(self, schedule: Callable | None, given: jax.Array, step: jax.Array) -> jax.Array:
+        return jnp.asarray(schedule(step), jnp.float32) if schedule is not None else given
+
+    def _step_impl(self, params, state, rng, batch, func_state, lr_arg, mom_arg, damp_arg):
+        self.trace_count += 1
+        est = self._estimator
+        step = state.step_counter
+        if self._batch_process_func is not None:
+            batch = self._batch_process_func(batch)
+        batch_size = self._batch_size_extractor(batch)
+        k_est, k_func = jax.random.split(rng)
+        func_args = self._make_func_args(params, func_state, k_func, batch)
+        pj = est.processed_jaxpr_for(func_args)
+
+        damping = state.damping if self._adaptive_damping else self._schedule_value(self._damping_schedule, damp_arg, step)
+        identity_weight = self._l2_reg + damping
+
+        # 1-2. One linearized forward pass: loss, gradient, curvature statistics.
+        (loss, deps), f_vjp, outs, losses, data_for, deps_jvp = self._linearized(func_args)
+        zero_deps = jax.tree_util.tree_map(jnp.zeros_like, deps)
+        grads_flat, _ = f_vjp((jnp.ones_like(loss), zero_deps))
+        grads = jax.tree_util.tree_unflatten(pj.params_tree, grads_flat)
+        _, new_func_state, aux = self._split_outputs(jax.tree_util.tree_unflatten(pj.out_tree, list(outs)))
+        adaptive = self._adaptive_lr or self._adaptive_momentum
+
+        # The curvature's view of the batch: the same linearization, or one of a sub-batch.
+        curvature_batch = self._curvature_batch(k_est, batch)
+        if curvature_batch is batch:
+            curvature_view = lambda: (losses, data_for, deps_jvp, batch_size)
+        else:
+            def curvature_view():
+                args = self._make_func_args(params, func_state, k_func, curvature_batch)
+                _, _, _, c_losses, c_data_for, c_deps_jvp = self._linearized(args)
+                return c_losses, c_data_for, c_deps_jvp, self._batch_size_extractor(curvature_batch)
+
+            if self._curvature_update_period == 1 or adaptive:
+                # Needed on every step: linearize the sub-batch once, outside the conditionals.
+                view = curvature_view()
+                curvature_view = lambda: view
+
         def update_statistics(s):
+            c_losses, c_data_for, _, c_size = curvature_view()
             return est._update_from_cotangents(
-                s, losses, data_for, k_est, self._estimation_mode, self._curvature_ema, 1.0, batch_size, None
+                s, c_losses, c_data_for, k_est, self._estimation_mode, self._curvature_ema, 1.0, c_size, None
             )
 
         if self._curvature_update_period == 1:
@@ -527,12 +582,14 @@ class Optimizer:
             factor = jnp.minimum(1.0, jnp.sqrt(self._norm_constraint / jnp.maximum(scaled_sq, 1e-30)))
             precon = utils.scalar_mul(precon, factor)
         vectors = (precon, state.velocities)
-        adaptive = self._adaptive_lr or self._adaptive_momentum
-        deps_jvp = lambda v: f_jvp(jax.tree_util.tree_leaves(v), jax.tree_util.tree_map(jnp.zeros_like, eps))[1]
         update_damping = self.should_update_damping(state)
 
+        def exact_quad_model():
+            c_losses, _, c_deps_jvp, c_size = curvature_view()
+            return self._exact_quad_model_from(c_deps_jvp, c_losses, vectors, grads, c_size)
+
         if adaptive:
-            quad = self._exact_quad_model_from(deps_jvp, losses, vectors, grads, batch_size)
+            quad = exact_quad_model()
             coeffs = self._solve_coefficients(quad, damping, lr, mom)
         else:
             coeffs = jnp.stack([-lr, mom])
@@ -548,7 +605,7 @@ class Optimizer:
             quad_change = jnp.asarray(jnp.nan, jnp.float32)
         if not adaptive and self._adaptive_damping:
             if self._always_exact_qmodel:
-                model = lambda: self._exact_quad_model_from(deps_jvp, losses, vectors, grads, batch_size)
+                model = exact_quad_model
             else:
                 model = lambda: self.compute_approx_quad_model(
                     dataclasses.replace(state, estimator_state=est_state), vectors, grads
@@ -655,12 +712,9 @@ class Optimizer:
         """The exact quadratic model's ``(A, D, b)`` at ``func_args``."""
         if func_args is None:
             raise ValueError("compute_exact_quad_model needs `func_args`.")
-        pj = self._estimator.processed_jaxpr
-        p, o = pj.split_args(func_args)
-        (deps, _), f_jvp, (ops, _) = jax.linearize(lambda q: pj.evaluate(q, o), p, has_aux=True)
-        losses = pj.losses_from_operands(ops)
+        *_, losses, _, deps_jvp = self._linearized(func_args)
         bs = self._batch_size_extractor(func_args[-1])
-        return self._exact_quad_model_from(lambda v: f_jvp(jax.tree_util.tree_leaves(v))[0], losses, vectors, grads, bs)
+        return self._exact_quad_model_from(deps_jvp, losses, vectors, grads, bs)
 
     def compute_approx_quad_model(self, state: OptimizerState, vectors: Sequence[Any], grads: Any):
         """The quadratic model's ``(A, D, b)`` with the curvature estimate in place of the exact matrix."""

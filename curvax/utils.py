@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -80,6 +81,26 @@ def check_batch_leading_sizes(batch: Batch, arg_name: str = "batch") -> None:
     if len(set(sizes.values())) > 1:
         desc = ", ".join(f"{k}: {v}" for k, v in sizes.items())
         raise ValueError(f"All leaves of `{arg_name}` must have the same leading (batch) size; got {desc}.")
+
+
+def subsample_batch(batch: Batch, fraction: float, key: jax.Array) -> Batch:
+    """``ceil(fraction * n)`` examples of ``batch`` drawn without replacement by ``key``.
+
+    Rows are taken along the leading (batch) axis of every leaf, in increasing order; leaves
+    without a leading axis are kept. The batch itself comes back when every example is kept.
+    The sizes are static, so the result has a fixed shape under ``jit``.
+    """
+    sizes = {np.shape(leaf)[0] for leaf in jax.tree_util.tree_leaves(batch) if np.ndim(leaf) > 0}
+    if len(sizes) > 1:
+        check_batch_leading_sizes(batch)
+    if not sizes:
+        return batch
+    (n,) = sizes
+    m = max(1, math.ceil(fraction * n))
+    if m >= n:
+        return batch
+    rows = jnp.sort(jax.random.choice(key, n, (m,), replace=False))
+    return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0) if np.ndim(x) > 0 else x, batch)
 
 
 def first_dim_is_size(size: int, *arrays: jax.Array) -> bool:

@@ -329,3 +329,134 @@ def test_curvature_update_period_must_be_a_positive_integer():
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="curvature_update_period"):
             make_opt(curvature_update_period=bad)
+
+
+# --- curvature on a sub-batch (curvature_batch_fraction) -------------------------------------------
+
+
+def _curvature_subbatch(batch, fraction, step_rng):
+    """The sub-batch the optimizer estimates the curvature on for a step with ``step_rng``."""
+    k_est = jax.random.split(step_rng)[0]
+    return curvax.utils.subsample_batch(batch, fraction, jax.random.fold_in(k_est, 1))
+
+
+def test_subsample_batch_draws_distinct_rows_of_every_leaf():
+    n = 20
+    batch = {"x": jnp.arange(n * 3.0).reshape(n, 3), "id": jnp.arange(n), "scale": jnp.asarray(2.0)}
+    seen = set()
+    for i in range(4):
+        sub = curvax.utils.subsample_batch(batch, 0.3, jax.random.PRNGKey(i))
+        ids = np.asarray(sub["id"])
+        assert ids.shape == (6,)  # ceil(0.3 * 20)
+        assert len(set(ids.tolist())) == 6 and np.all(np.diff(ids) > 0) and ids.min() >= 0 and ids.max() < n
+        np.testing.assert_array_equal(sub["x"], np.asarray(batch["x"])[ids])  # rows stay aligned across leaves
+        assert float(sub["scale"]) == 2.0  # leaves without a batch axis are kept
+        seen.add(tuple(ids.tolist()))
+    assert len(seen) > 1  # the rows depend on the key
+    assert curvax.utils.subsample_batch(batch, 1.0, KEY) is batch
+    assert curvax.utils.subsample_batch(batch, 0.999, KEY) is batch  # ceil(19.98) keeps every example
+    assert curvax.utils.subsample_batch(batch, 1e-6, KEY)["id"].shape == (1,)  # at least one example
+    with pytest.raises(ValueError, match="same leading"):
+        curvax.utils.subsample_batch({"a": jnp.zeros((4, 2)), "b": jnp.zeros((5,))}, 0.5, KEY)
+
+
+def test_curvature_batch_fraction_estimates_on_a_random_sub_batch():
+    """The statistics are those of the sub-batch (a full-batch optimizer stepping on it gives the
+    same estimator state, sampled targets included); the gradient and the loss are the whole batch's."""
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(12), n=16)
+    kw = dict(estimation_mode="fisher_gradients", inverse_update_period=1, curvature_ema=0.8)
+    sub_opt, full_opt = make_opt(curvature_batch_fraction=0.25, **kw), make_opt(**kw)
+    state = sub_opt.init(params, KEY, batch)
+    full_opt.init(params, KEY, batch)
+    lr, damping = 0.3, 0.1
+    leaves = jax.tree_util.tree_leaves
+    subsets = set()
+    for t in range(3):
+        rng = jax.random.PRNGKey(100 + t)
+        sub = _curvature_subbatch(batch, 0.25, rng)
+        assert sub[0].shape == (4, 4)
+        subsets.add(np.asarray(sub[0]).tobytes())
+        new_params, new_state, stats = sub_opt.step(params, state, rng, batch=batch, learning_rate=lr, momentum=0.0, damping=damping)
+        _, ref_state, _ = full_opt.step(params, state, rng, batch=sub, learning_rate=lr, momentum=0.0, damping=damping)
+        for a, b in zip(leaves(new_state.estimator_state), leaves(ref_state.estimator_state)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        # The update preconditions the whole batch's gradient with the sub-batch statistics.
+        g = jax.grad(ce_loss)(params, batch)
+        precon = sub_opt.estimator.multiply_matpower(new_state.estimator_state, g, L2 + damping, -1, False, False)
+        want = jax.tree_util.tree_map(lambda p, v: p - lr * v, params, precon)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), new_params, want)
+        np.testing.assert_allclose(stats["loss"], ce_loss(params, batch), rtol=1e-6)
+        assert int(stats["data_seen"]) == 16 * (t + 1)
+        params, state = new_params, new_state
+    assert len(subsets) > 1 and sub_opt.trace_count == 1
+
+
+def test_curvature_batch_fraction_quadratic_model_uses_the_sub_batch_curvature():
+    """Adaptive lr/momentum minimise the damped quadratic model whose curvature is the exact one of
+    the sub-batch (normalised by its size) and whose linear term is the whole batch's gradient."""
+    with jax.enable_x64(True):
+        params = init_mlp(KEY)
+        batch = classification_batch(jax.random.PRNGKey(13), n=12)
+        damping = 0.5
+        opt = make_opt(
+            use_adaptive_learning_rate=True, use_adaptive_momentum=True, estimation_mode="fisher_exact",
+            curvature_batch_fraction=0.5,
+        )
+        state = opt.init(params, KEY, batch)
+        dim = ravel_pytree(params)[0].size
+        for i in range(3):
+            rng = jax.random.PRNGKey(i)
+            sub = _curvature_subbatch(batch, 0.5, rng)
+            assert sub[0].shape[0] == 6
+            old_v = state.velocities
+            g = ravel_pytree(jax.grad(ce_loss)(params, batch))[0]
+            c = exact_ggn(params, sub) + (L2 + damping) * jnp.eye(dim)
+            params, state, stats = opt.step(params, state, rng, batch=batch, damping=damping)
+            delta = ravel_pytree(state.velocities)[0]
+            model_grad = c @ delta + g
+            for u in [delta] + ([ravel_pytree(old_v)[0]] if i > 0 else []):
+                assert abs(u @ model_grad) < 1e-6 * jnp.linalg.norm(u) * jnp.linalg.norm(g)
+            # ...and the whole batch's curvature would not give this minimiser.
+            c_full = exact_ggn(params, batch) + (L2 + damping) * jnp.eye(dim)
+            assert abs(delta @ (c_full @ delta + g)) > 1e-4 * jnp.linalg.norm(delta) * jnp.linalg.norm(g)
+
+
+def test_curvature_batch_fraction_in_burn_in():
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(14), n=16)
+    sub_opt, full_opt = make_opt(curvature_batch_fraction=0.5), make_opt()
+    state = sub_opt.init(params, KEY, batch)
+    full_opt.init(params, KEY, batch)
+    rng = jax.random.PRNGKey(7)
+    got, _ = sub_opt.burnin(1, params, state, rng, iter([batch]))
+    key = jax.random.split(rng)[1]  # burnin's per-step key; its first half seeds the estimator
+    sub = curvax.utils.subsample_batch(batch, 0.5, jax.random.fold_in(jax.random.split(key)[0], 1))
+    want, _ = full_opt.burnin(1, params, state, rng, iter([sub]))
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_curvature_batch_fraction_must_lie_in_zero_one():
+    for bad in (0, 0.0, -0.5, 1.5, float("nan"), "0.5", True, None):
+        with pytest.raises(ValueError, match="curvature_batch_fraction"):
+            make_opt(curvature_batch_fraction=bad)
+    make_opt(curvature_batch_fraction=1)  # the whole batch, as by default
+
+
+def test_a_batch_of_another_size_than_init_steps_like_a_fresh_optimizer():
+    """The step traces the function again for a new batch shape (a last, smaller batch)."""
+    params = init_mlp(KEY)
+    big = classification_batch(jax.random.PRNGKey(15), n=16)
+    small = jax.tree_util.tree_map(lambda x: x[:6], big)
+    kw = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True, estimation_mode="ggn_exact")
+    opt, fresh = make_opt(**kw), make_opt(**kw)
+    state = opt.init(params, KEY, big)
+    state_fresh = fresh.init(params, KEY, small)
+    p1, s1, st1 = opt.step(params, state, KEY, batch=small, damping=0.3)
+    p2, s2, st2 = fresh.step(params, state_fresh, KEY, batch=small, damping=0.3)
+    for a, b in zip(jax.tree_util.tree_leaves((p1, s1)), jax.tree_util.tree_leaves((p2, s2))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(st1["loss"], ce_loss(params, small), rtol=1e-6)
+    opt.step(p1, s1, KEY, batch=big, damping=0.3)
+    assert opt.trace_count == 2  # one program per batch shape
