@@ -64,9 +64,13 @@ BLOCK_VARIANTS: dict[str, dict[str, Any]] = {
 }
 # Kronecker blocks whose statistics are updated every 5 steps (``curvature_update_period=5``).
 PERIOD_VARIANT = 5
+# Kronecker blocks estimated on a random quarter of the batch (``curvature_batch_fraction=0.25``).
+FRACTION_VARIANT = 0.25
+FRACTION_NAME = f"sub{round(100 * FRACTION_VARIANT)}"
 ALL_RUNS = (
     "adam", "curvax_fixed", "curvax_adaptive", "curvax_adaptive_ekfac", "curvax_adaptive_diagonal",
     f"curvax_fixed_period{PERIOD_VARIANT}", f"curvax_adaptive_period{PERIOD_VARIANT}",
+    f"curvax_fixed_{FRACTION_NAME}", f"curvax_adaptive_{FRACTION_NAME}",
 )
 
 
@@ -164,7 +168,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--only", nargs="+", choices=ALL_RUNS,
-        help="run a subset (the block and period variants run only when named here)",
+        help="run a subset (the block, period and sub-batch variants run only when named here)",
     )
     p.add_argument("--quick", action="store_true", help="tiny smoke run (64 images, a few steps)")
     p.add_argument("--output", default="benchmarks/results/autoencoder.json", help="JSON output path")
@@ -214,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name in wanted:
             runs.append((name, lambda a=adaptive: kfac_runner(
                 images, args.seed, a, fixed, args.initial_damping, curvature_update_period=PERIOD_VARIANT)))
+        name = f"curvax_{'adaptive' if adaptive else 'fixed'}_{FRACTION_NAME}"
+        if name in wanted:
+            runs.append((name, lambda a=adaptive: kfac_runner(
+                images, args.seed, a, fixed, args.initial_damping, curvature_batch_fraction=FRACTION_VARIANT)))
     print(f"MNIST autoencoder, {args.num_images} images full batch, target loss {args.target_loss:g}, "
           f"{jax.default_backend()} backend, {os.cpu_count()} CPUs", flush=True)
     results: dict[str, Any] = {}

@@ -5,7 +5,9 @@ One step, compiled once (periodic work is ``lax.cond`` inside it):
 1. one forward pass of the user's value function through our tracer, linearized;
 2. transposes of that linearization give the gradient and the gradients of the
    sampled loss w.r.t. every layer output (curvature statistics, every
-   ``curvature_update_period`` steps: 1 by default, as in kfac-jax);
+   ``curvature_update_period`` steps: 1 by default, as in kfac-jax). With
+   ``curvature_batch_fraction < 1`` the curvature (statistics and the exact
+   quadratic model below) comes from a second linearization, on a random sub-batch;
 3. every ``inverse_update_period`` steps the blocks refresh their inverses;
 4. the preconditioned gradient ``Delta = (C + (l2 + damping) I)^-1 g``;
 5. learning rate and momentum either given, scheduled, or chosen by minimising

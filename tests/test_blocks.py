@@ -528,6 +528,17 @@ def test_errors():
         block.update_curvature_matrix_estimate(state, {"inputs": (x,), "outputs_tangent": (jnp.zeros((4, 2)),)}, 0.0, 1.0, 4)
 
 
+def test_psd_inv_inverts_damped_factors_and_flags_indefinite_input():
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.PRNGKey(0), (30, 40), jnp.float64)
+        m = x.T @ x / 30 + 0.1 * jnp.eye(40)  # rank-deficient statistics plus damping
+        inv = jax.jit(linalg.psd_inv)(m)
+        np.testing.assert_allclose(inv @ m, np.eye(40), atol=1e-9)
+        np.testing.assert_array_equal(inv, inv.T)
+    # Not positive definite: non-finite values (the optimizer then skips the update), never a wrong finite one.
+    assert not np.all(np.isfinite(linalg.psd_inv(jnp.diag(jnp.array([1.0, -1.0, 2.0])))))
+
+
 def test_linalg_helpers():
     m = jnp.array([[2.0, 1.0], [1.0, 2.0]])
     np.testing.assert_allclose(linalg.psd_inv(m), jnp.linalg.inv(m), rtol=1e-12)
