@@ -3,7 +3,8 @@
 The first K-FAC step traces the loss, compiles the burn-in and the step, runs
 the burn-in and the step; compilation dominates it. JAX's persistent
 compilation cache lets a later process load the compiled programs instead.
-For each optimizer (Optax Adam, curvax fixed, curvax adaptive) this script runs
+For each optimizer (Optax Adam, curvax fixed, curvax adaptive; optionally both
+with the curvature on a quarter of the batch) this script runs
 fresh child processes on the MNIST autoencoder:
 
 * ``no_cache``: no persistent cache (what the autoencoder benchmark measures);
@@ -27,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-MODES = ("adam", "curvax_fixed", "curvax_adaptive")
+# The sub-batch variants (curvature on a quarter of the batch) run only when named in --only.
+MODES = ("adam", "curvax_fixed", "curvax_adaptive", "curvax_fixed_sub25", "curvax_adaptive_sub25")
+DEFAULT_MODES = MODES[:3]
 CACHES = ("no_cache", "cold", "warm")
 FIGURES = ("import_s", "setup_s", "first_step_s", "second_step_s", "process_s")
 
@@ -48,7 +51,8 @@ def child(mode: str, num_images: int) -> dict[str, float]:
     if mode == "adam":
         step, carry = bench.adam_runner(images, 1e-3, 0)
     else:
-        step, carry = bench.kfac_runner(images, 0, mode == "curvax_adaptive", fixed, 1.0)
+        extra = {"curvature_batch_fraction": bench.FRACTION_VARIANT} if mode.endswith(bench.FRACTION_NAME) else {}
+        step, carry = bench.kfac_runner(images, 0, mode.startswith("curvax_adaptive"), fixed, 1.0, **extra)
     t2 = time.perf_counter()
     times = []
     for _ in range(2):
@@ -97,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     runs: dict[str, dict[str, list[dict[str, float]]]] = {}
     for repeat in range(args.repeats):
-        for mode in args.only or MODES:
+        for mode in args.only or DEFAULT_MODES:
             per_cache = runs.setdefault(mode, {c: [] for c in CACHES})
             per_cache["no_cache"].append(run_child(mode, args.num_images, None))
             with tempfile.TemporaryDirectory() as cache_dir:

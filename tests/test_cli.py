@@ -22,14 +22,17 @@ def test_demo_defaults():
     assert args.command == "demo"
     assert args.num_images == 1000 and args.initial_damping == 1.0 and args.adam_lr == 1e-3
     assert args.output == "curvax_demo.png" and args.seed == 0 and not args.quiet
+    assert args.curvature_batch_fraction == 1.0  # the whole batch, as kfac-jax
     assert args.steps >= 1 and args.adam_steps >= 1 and args.time_budget > 0
 
 
 def test_demo_flags():
     args = cli.build_parser().parse_args(
         ["demo", "--num-images", "64", "--steps", "3", "--adam-steps", "4", "--time-budget", "2.5",
-         "--adam-lr", "3e-4", "--initial-damping", "10", "--seed", "7", "--output", "x.png", "--quiet"]
+         "--adam-lr", "3e-4", "--initial-damping", "10", "--seed", "7", "--output", "x.png", "--quiet",
+         "--curvature-batch-fraction", "0.25"]
     )
+    assert args.curvature_batch_fraction == 0.25
     assert (args.num_images, args.steps, args.adam_steps, args.time_budget) == (64, 3, 4, 2.5)
     assert (args.adam_lr, args.initial_damping, args.seed, args.output, args.quiet) == (3e-4, 10.0, 7, "x.png", True)
 
@@ -46,6 +49,8 @@ def test_demo_flags():
         ["demo", "--time-budget", "0"],
         ["demo", "--initial-damping", "-1"],
         ["demo", "--num-images", "many"],
+        ["demo", "--curvature-batch-fraction", "0"],
+        ["demo", "--curvature-batch-fraction", "1.5"],
     ],
 )
 def test_bad_arguments_exit_with_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]):
@@ -143,6 +148,13 @@ def test_adam_run_trains():
     assert len(result.losses) == 5 and result.times == sorted(result.times)
     assert all(math.isfinite(x) for x in result.losses) and result.losses[-1] < result.losses[0]
     assert result.first_step_seconds == result.times[0]
+
+
+def test_kfac_run_with_curvature_on_a_sub_batch_trains():
+    images = jnp.asarray(datasets.load_mnist_images(16))
+    setup = demo.kfac_setup(images, seed=0, initial_damping=1.0, quiet=True, curvature_batch_fraction=0.25)
+    result = demo.run("kfac", setup, steps=4, budget=120.0, quiet=True)
+    assert len(result.losses) == 4 and result.losses[-1] < result.losses[0]
 
 
 def test_run_stops_at_time_budget():
