@@ -230,7 +230,7 @@ def main(args: argparse.Namespace) -> int:
     runs: list[Run] = []
     fraction = args.curvature_batch_fraction
     name = "curvax K-FAC" if fraction == 1 else f"curvax K-FAC (curvature on {fraction:g} of the batch)"
-    setup = kfac_setup(images, args.seed, args.initial_damping, args.quiet, args.curvature_batch_fraction)
+    setup = kfac_setup(images, args.seed, args.initial_damping, args.quiet, fraction)
     runs.append(run(name, setup, args.steps, args.time_budget, args.quiet))
     runs.append(run(f"Optax Adam (lr={args.adam_lr:g})", adam_setup(images, args.seed, args.adam_lr),
                     args.adam_steps, args.time_budget, args.quiet))

@@ -90,13 +90,15 @@ def subsample_batch(batch: Batch, fraction: float, key: jax.Array) -> Batch:
     without a leading axis are kept. The batch itself comes back when every example is kept.
     The sizes are static, so the result has a fixed shape under ``jit``.
     """
+    if not 0.0 < float(fraction) <= 1.0:
+        raise ValueError(f"`fraction` must be in (0, 1], got {fraction!r}.")
     sizes = {np.shape(leaf)[0] for leaf in jax.tree_util.tree_leaves(batch) if np.ndim(leaf) > 0}
     if len(sizes) > 1:
         check_batch_leading_sizes(batch)
     if not sizes:
         return batch
     (n,) = sizes
-    m = max(1, math.ceil(fraction * n))
+    m = max(1, math.ceil(round(fraction * n, 9)))  # 0.07 * 100 is 7.000000000000001: 7 examples
     if m >= n:
         return batch
     rows = jnp.sort(jax.random.choice(key, n, (m,), replace=False))

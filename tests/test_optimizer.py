@@ -356,6 +356,10 @@ def test_subsample_batch_draws_distinct_rows_of_every_leaf():
     assert curvax.utils.subsample_batch(batch, 1.0, KEY) is batch
     assert curvax.utils.subsample_batch(batch, 0.999, KEY) is batch  # ceil(19.98) keeps every example
     assert curvax.utils.subsample_batch(batch, 1e-6, KEY)["id"].shape == (1,)  # at least one example
+    assert curvax.utils.subsample_batch({"x": jnp.zeros((100, 2))}, 0.07, KEY)["x"].shape == (7, 2)  # not 8
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="fraction"):
+            curvax.utils.subsample_batch(batch, bad, KEY)
     with pytest.raises(ValueError, match="same leading"):
         curvax.utils.subsample_batch({"a": jnp.zeros((4, 2)), "b": jnp.zeros((5,))}, 0.5, KEY)
 
@@ -460,3 +464,24 @@ def test_a_batch_of_another_size_than_init_steps_like_a_fresh_optimizer():
     np.testing.assert_allclose(st1["loss"], ce_loss(params, small), rtol=1e-6)
     opt.step(p1, s1, KEY, batch=big, damping=0.3)
     assert opt.trace_count == 2  # one program per batch shape
+
+
+def test_a_batch_whose_trace_finds_other_layers_gets_a_clear_error():
+    def loss(p, batch):
+        x, y = batch
+        h = x @ p[0]["w"] + p[0]["b"]
+        if x.shape[0] > 8:  # the model's structure depends on the batch size
+            h = jnp.tanh(h)
+            logits = h @ p[1]["w"] + p[1]["b"]
+        else:
+            logits = jnp.tanh(h) @ p[1]["w"]
+        curvax.register_softmax_cross_entropy_loss(logits, y)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+    params = init_mlp(KEY)
+    big = classification_batch(jax.random.PRNGKey(16), n=16)
+    opt = curvax.Optimizer(jax.value_and_grad(loss), l2_reg=L2, num_burnin_steps=0)
+    state = opt.init(params, KEY, big)
+    small = jax.tree_util.tree_map(lambda x: x[:4], big)
+    with pytest.raises(ValueError, match="same model structure"):
+        opt.step(params, state, KEY, batch=small, learning_rate=0.1, momentum=0.0, damping=1.0)
