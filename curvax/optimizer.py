@@ -380,8 +380,11 @@ class Optimizer:
         if self._batch_process_func is not None:
             batch = self._batch_process_func(batch)
         k1, k2 = jax.random.split(rng)
-        batch = self._curvature_batch(k1, batch)
-        func_args = self._make_func_args(params, func_state, k2, batch)
+        sub_batch = self._curvature_batch(k1, batch)
+        func_args = self._make_func_args(params, func_state, k2, sub_batch)
+        if sub_batch is not batch:
+            self._trace_curvature_batch(func_args)
+        batch = sub_batch
         est = self._estimator.update_curvature_matrix_estimate(
             state.estimator_state, 1.0, 1.0, self._batch_size_extractor(batch), k1, func_args,
             estimation_mode=self._estimation_mode,
@@ -500,6 +503,19 @@ class Optimizer:
             return batch
         return utils.subsample_batch(batch, self._curvature_batch_fraction, jax.random.fold_in(key, 1))
 
+    def _trace_curvature_batch(self, func_args: Sequence[Any]) -> None:
+        """Traces the function on a sub-batch, with an error that says why it was asked to."""
+        try:
+            self._estimator.processed_jaxpr_for(func_args)
+        except Exception as e:
+            n = self._batch_size_extractor(func_args[-1])
+            raise ValueError(
+                f"curvature_batch_fraction={self._curvature_batch_fraction:g}: the curvature is estimated on "
+                f"sub-batches of {n} examples, and tracing the loss on one failed ({type(e).__name__}: {e}). "
+                "Does the model assume a fixed batch size (e.g. reshape(batch_size, -1))? Use reshape(x.shape[0], "
+                "-1), or curvature_batch_fraction=1."
+            ) from e
+
     def _schedule_value(self, schedule: Callable | None, given: jax.Array, step: jax.Array) -> jax.Array:
         return jnp.asarray(schedule(step), jnp.float32) if schedule is not None else given
 
@@ -512,7 +528,14 @@ class Optimizer:
         batch_size = self._batch_size_extractor(batch)
         k_est, k_func = jax.random.split(rng)
         func_args = self._make_func_args(params, func_state, k_func, batch)
-        pj = est.processed_jaxpr_for(func_args)
+        try:
+            pj = est.processed_jaxpr_for(func_args)
+        except Exception as e:  # init traced this function: only a new batch shape gets here
+            raise ValueError(
+                f"Tracing the loss on a batch with leaf shapes {[np.shape(x) for x in jax.tree_util.tree_leaves(batch)]} "
+                f"failed ({type(e).__name__}: {e}). "
+                "init traced it on other shapes; does the model assume a fixed batch size?"
+            ) from e
 
         damping = state.damping if self._adaptive_damping else self._schedule_value(self._damping_schedule, damp_arg, step)
         identity_weight = self._l2_reg + damping
@@ -530,9 +553,11 @@ class Optimizer:
         if curvature_batch is batch:
             curvature_view = lambda: (losses, data_for, deps_jvp, batch_size)
         else:
+            curvature_args = self._make_func_args(params, func_state, k_func, curvature_batch)
+            self._trace_curvature_batch(curvature_args)
+
             def curvature_view():
-                args = self._make_func_args(params, func_state, k_func, curvature_batch)
-                _, _, _, c_losses, c_data_for, c_deps_jvp = self._linearized(args)
+                _, _, _, c_losses, c_data_for, c_deps_jvp = self._linearized(curvature_args)
                 return c_losses, c_data_for, c_deps_jvp, self._batch_size_extractor(curvature_batch)
 
             if self._curvature_update_period == 1 or adaptive:

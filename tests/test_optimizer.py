@@ -485,3 +485,29 @@ def test_a_batch_whose_trace_finds_other_layers_gets_a_clear_error():
     small = jax.tree_util.tree_map(lambda x: x[:4], big)
     with pytest.raises(ValueError, match="same model structure"):
         opt.step(params, state, KEY, batch=small, learning_rate=0.1, momentum=0.0, damping=1.0)
+
+
+def test_curvature_batch_fraction_with_a_model_that_fixes_the_batch_size_gets_a_clear_error():
+    def loss(p, batch):
+        x, y = batch
+        h = jnp.tanh(x @ p[0]["w"] + p[0]["b"]).reshape(16, -1)  # assumes 16 examples
+        logits = h @ p[1]["w"] + p[1]["b"]
+        curvax.register_softmax_cross_entropy_loss(logits, y)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(17), n=16)
+    for burnin in (0, 1):
+        opt = curvax.Optimizer(
+            jax.value_and_grad(loss), l2_reg=L2, num_burnin_steps=burnin, curvature_batch_fraction=0.5
+        )
+        state = opt.init(params, KEY, batch)
+        with pytest.warns(UserWarning, match="burn-in") if burnin else warnings.catch_warnings():
+            with pytest.raises(ValueError, match=r"curvature_batch_fraction=0.5: .* sub-batches of 8 examples"):
+                opt.step(params, state, KEY, batch=batch, learning_rate=0.1, momentum=0.0, damping=1.0)
+    # Without a fraction, a smaller batch fails the same way, with an error that says so.
+    opt = curvax.Optimizer(jax.value_and_grad(loss), l2_reg=L2, num_burnin_steps=0)
+    state = opt.init(params, KEY, batch)
+    small = jax.tree_util.tree_map(lambda x: x[:8], batch)
+    with pytest.raises(ValueError, match=r"Tracing the loss on a batch with leaf shapes \[\(8, 4\), \(8,\)\]"):
+        opt.step(params, state, KEY, batch=small, learning_rate=0.1, momentum=0.0, damping=1.0)
