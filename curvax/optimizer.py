@@ -531,9 +531,9 @@ class Optimizer:
         try:
             pj = est.processed_jaxpr_for(func_args)
         except Exception as e:  # init traced this function: only a new batch shape gets here
+            shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(batch)]
             raise ValueError(
-                f"Tracing the loss on a batch with leaf shapes {[np.shape(x) for x in jax.tree_util.tree_leaves(batch)]} "
-                f"failed ({type(e).__name__}: {e}). "
+                f"Tracing the loss on a batch with leaf shapes {shapes} failed ({type(e).__name__}: {e}). "
                 "init traced it on other shapes; does the model assume a fixed batch size?"
             ) from e
 

@@ -535,7 +535,7 @@ def test_psd_inv_inverts_damped_factors_and_flags_indefinite_input():
         inv = jax.jit(linalg.psd_inv)(m)
         np.testing.assert_allclose(inv @ m, np.eye(40), atol=1e-9)
         np.testing.assert_array_equal(inv, inv.T)
-    # Not positive definite: non-finite values (the optimizer then skips the update), never a wrong finite one.
+    # Not positive definite: non-finite values, which make the optimizer skip the update.
     assert not np.all(np.isfinite(linalg.psd_inv(jnp.diag(jnp.array([1.0, -1.0, 2.0])))))
 
 

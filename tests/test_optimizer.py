@@ -188,11 +188,12 @@ def test_norm_constraint_bounds_the_update():
 @pytest.mark.parametrize(
     "mode", ["fisher_gradients", "fisher_empirical", "fisher_curvature_prop", "ggn_curvature_prop", "fisher_exact", "ggn_exact"]
 )
-def test_every_estimation_mode_trains(mode):
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_every_estimation_mode_trains(mode, fraction):
     params = init_mlp(KEY)
     batch = classification_batch(jax.random.PRNGKey(5))
     opt = make_opt(estimation_mode=mode, use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-                   use_adaptive_damping=True, initial_damping=1.0)
+                   use_adaptive_damping=True, initial_damping=1.0, curvature_batch_fraction=fraction)
     state = opt.init(params, KEY, batch)
     first = None
     for i in range(10):
