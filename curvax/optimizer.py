@@ -383,7 +383,7 @@ class Optimizer:
         sub_batch = self._curvature_batch(k1, batch)
         func_args = self._make_func_args(params, func_state, k2, sub_batch)
         if sub_batch is not batch:
-            self._trace_curvature_batch(func_args)
+            self._trace(func_args, sub_batch=True)
         batch = sub_batch
         est = self._estimator.update_curvature_matrix_estimate(
             state.estimator_state, 1.0, 1.0, self._batch_size_extractor(batch), k1, func_args,
@@ -503,17 +503,24 @@ class Optimizer:
             return batch
         return utils.subsample_batch(batch, self._curvature_batch_fraction, jax.random.fold_in(key, 1))
 
-    def _trace_curvature_batch(self, func_args: Sequence[Any]) -> None:
-        """Traces the function on a sub-batch, with an error that says why it was asked to."""
+    def _trace(self, func_args: Sequence[Any], sub_batch: bool = False) -> Any:
+        """The traced function at the shapes of ``func_args``, with an error that says why it failed.
+
+        ``init`` traced it once, so a failure here is a new batch shape: another batch, or the
+        sub-batches of ``curvature_batch_fraction`` (``sub_batch``).
+        """
         try:
-            self._estimator.processed_jaxpr_for(func_args)
+            return self._estimator.processed_jaxpr_for(func_args)
         except Exception as e:
-            n = self._batch_size_extractor(func_args[-1])
-            raise ValueError(
+            shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(func_args[-1])]
+            why = (
                 f"curvature_batch_fraction={self._curvature_batch_fraction:g}: the curvature is estimated on "
-                f"sub-batches of {n} examples, and tracing the loss on one failed ({type(e).__name__}: {e}). "
-                "Does the model assume a fixed batch size (e.g. reshape(batch_size, -1))? Use reshape(x.shape[0], "
-                "-1), or curvature_batch_fraction=1."
+                f"sub-batches of {self._batch_size_extractor(func_args[-1])} examples. " if sub_batch else ""
+            )
+            raise ValueError(
+                f"{why}Tracing the loss on a batch with leaf shapes {shapes} failed ({type(e).__name__}: {e}); "
+                "init traced it on other shapes. Does the model assume a fixed batch size (e.g. reshape(16, -1))? "
+                "Use reshape(x.shape[0], -1)" + (", or curvature_batch_fraction=1." if sub_batch else ".")
             ) from e
 
     def _schedule_value(self, schedule: Callable | None, given: jax.Array, step: jax.Array) -> jax.Array:
@@ -528,14 +535,7 @@ class Optimizer:
         batch_size = self._batch_size_extractor(batch)
         k_est, k_func = jax.random.split(rng)
         func_args = self._make_func_args(params, func_state, k_func, batch)
-        try:
-            pj = est.processed_jaxpr_for(func_args)
-        except Exception as e:  # init traced this function: only a new batch shape gets here
-            shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(batch)]
-            raise ValueError(
-                f"Tracing the loss on a batch with leaf shapes {shapes} failed ({type(e).__name__}: {e}). "
-                "init traced it on other shapes; does the model assume a fixed batch size?"
-            ) from e
+        pj = self._trace(func_args)
 
         damping = state.damping if self._adaptive_damping else self._schedule_value(self._damping_schedule, damp_arg, step)
         identity_weight = self._l2_reg + damping
@@ -554,7 +554,7 @@ class Optimizer:
             curvature_view = lambda: (losses, data_for, deps_jvp, batch_size)
         else:
             curvature_args = self._make_func_args(params, func_state, k_func, curvature_batch)
-            self._trace_curvature_batch(curvature_args)
+            self._trace(curvature_args, sub_batch=True)
 
             def curvature_view():
                 _, _, _, c_losses, c_data_for, c_deps_jvp = self._linearized(curvature_args)
