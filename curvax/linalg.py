@@ -166,8 +166,7 @@ def psd_inv(m: Array) -> Array:
     step (it then skips the update) rather than paying a check per block here. Every
     op in this function is compiled once per block: keep it minimal.
     """
-    c = jnp.linalg.cholesky(symmetrize(m))
-    return symmetrize(jax.scipy.linalg.cho_solve((c, True), jnp.eye(m.shape[0], dtype=m.dtype)))
+    return symmetrize(_cholesky_solve(symmetrize(m), jnp.eye(m.shape[0], dtype=m.dtype)))
 
 
 def average_trace(m: Array) -> Array:
