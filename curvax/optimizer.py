@@ -29,12 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from curvax import estimators, utils
+from curvax import estimators, parallel, utils
 from curvax.transforms import assemble_layer_data, zero_tangents
 
 logger = logging.getLogger("curvax")
-
-_FEATURE_LATER = "is not implemented in curvax yet (planned)"
 
 
 @jax.tree_util.register_dataclass
@@ -133,8 +131,10 @@ class Optimizer:
             raise TypeError(f"`value_and_grad_func` must be callable, got {type(value_and_grad_func).__name__}.")
         if multi_device:
             raise NotImplementedError(
-                "multi_device=True (pmap) " + _FEATURE_LATER + ": curvax will run on several devices through "
-                "jax.jit with jax.sharding. Use multi_device=False."
+                "multi_device=True (kfac-jax's pmap mode, inputs with a leading device axis) is not supported: "
+                "curvax runs on several devices and hosts through jax.sharding. Keep multi_device=False, "
+                "replicate the parameters and shard the batch over a mesh axis, e.g. jax.device_put(batch, "
+                "NamedSharding(Mesh(jax.devices(), ('data',)), PartitionSpec('data'))); see README, Several devices."
             )
         if use_adaptive_learning_rate and learning_rate_schedule is not None:
             raise ValueError("Pass either use_adaptive_learning_rate=True or a learning_rate_schedule, not both.")
@@ -221,6 +221,7 @@ class Optimizer:
             **auto_kwargs,
         )
         self._params_spec: Any = None
+        self._state_shardings: OptimizerState | None = None
         wrap = (lambda f, **kw: f) if self._debug else jax.jit
         self._jit_step = wrap(self._step_impl)
         self._jit_burnin = wrap(self._burnin_impl)
@@ -340,6 +341,7 @@ class Optimizer:
         has_generic = any(s.pattern == "generic" for s in self._estimator.processed_jaxpr.layer_sites)
         logger.log(logging.WARNING if has_generic else logging.INFO, "\n%s", table)
         self._registration_table = table
+        self._state_shardings = self._state_shardings_for(params)
         return self._jit_init(params, rng, batch, func_state)
 
     def registration_table(self) -> str:
@@ -353,18 +355,32 @@ class Optimizer:
             return None, None
         return (-1, None) if self._use_exact_inverses else (None, -1)
 
+    def _state_shardings_for(self, params: Any) -> OptimizerState | None:
+        """Where the state lives when ``params`` span a mesh of several devices (else None).
+
+        Velocities take the parameters' shardings; everything else is replicated on their mesh
+        (see ``curvax.parallel``).
+        """
+        mesh = parallel.params_mesh(params)
+        if mesh is None:
+            return None
+        rep = parallel.replicated(mesh)
+        velocities = jax.tree_util.tree_map(lambda x: x.sharding, params)
+        return OptimizerState(velocities=velocities, estimator_state=rep, damping=rep, data_seen=rep, step_counter=rep)
+
     def _init_impl(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> OptimizerState:
         func_args = self._make_func_args(params, func_state, rng, batch)
         exact, approx = self._cache_powers()
         est_state = self._estimator.init(rng, func_args, exact, approx, False)
         damping = jnp.asarray(self._initial_damping if self._initial_damping is not None else 0.0, jnp.float32)
-        return OptimizerState(
+        state = OptimizerState(
             velocities=utils.tree_zeros_like(params),
             estimator_state=est_state,
             damping=damping,
             data_seen=jnp.zeros([], jnp.int32),
             step_counter=jnp.zeros([], jnp.int32),
         )
+        return parallel.constrain(state, self._state_shardings)
 
     # --- burn-in -------------------------------------------------------------------------------
 
@@ -389,7 +405,7 @@ class Optimizer:
             state.estimator_state, 1.0, 1.0, self._batch_size_extractor(batch), k1, func_args,
             estimation_mode=self._estimation_mode,
         )
-        return dataclasses.replace(state, estimator_state=est)
+        return parallel.constrain(dataclasses.replace(state, estimator_state=est), self._state_shardings)
 
     # --- step --------------------------------------------------------------------------------
 
@@ -651,6 +667,8 @@ class Optimizer:
             precon, state.velocities,
         )
         new_params = utils.tree_add(params, delta)
+        if self._state_shardings is not None:  # several devices: the parameters keep their shardings
+            new_params = parallel.constrain(new_params, self._state_shardings.velocities)
 
         # 6. Damping.
         new_loss = jnp.asarray(jnp.nan, jnp.float32)
@@ -678,6 +696,7 @@ class Optimizer:
             data_seen=state.data_seen + batch_size,
             step_counter=step + 1,
         )
+        new_state = parallel.constrain(new_state, self._state_shardings)
         stats = {
             "step": step + 1,
             "batch_size": jnp.asarray(batch_size, jnp.int32),

@@ -1,0 +1,133 @@
+"""Training runs for tests/test_sharding.py, in a process whose device count is already set.
+
+``python sharding_child.py devices`` trains every configuration on one device and on all the
+process's devices (batch sharded, parameters replicated) and prints one JSON line.
+``python sharding_child.py process PID NUM PORT`` joins a ``jax.distributed`` job over loopback
+as process ``PID`` of ``NUM``, feeds its own rows of the batch, and prints one JSON line.
+The test process imports ``train`` for the one-device reference.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import curvax
+
+BATCH = 32
+# name -> (Optimizer arguments, step arguments)
+CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # Adaptive everything: exact quadratic model, damping from the reduction ratio, burn-in,
+    # inverses refreshed every other step.
+    "adaptive": (
+        dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
+             initial_damping=1.0, num_burnin_steps=2, inverse_update_period=2),
+        {},
+    ),
+    # Fixed coefficients, curvature on a random half of the (sharded) batch.
+    "fixed_half_batch": (
+        dict(num_burnin_steps=0, curvature_batch_fraction=0.5),
+        dict(learning_rate=0.1, momentum=0.5, damping=0.1),
+    ),
+}
+
+
+def loss_fn(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    x, y = batch
+    h = jnp.tanh(x @ params[0]["w"] + params[0]["b"])
+    logits = h @ params[1]["w"] + params[1]["b"]
+    curvax.register_softmax_cross_entropy_loss(logits, y)
+    return jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 3), axis=-1))
+
+
+def data() -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
+    """Parameters and a batch, identical in every process."""
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = [
+        {"w": jax.random.normal(k[0], (6, 8)) / 3, "b": jnp.zeros(8)},
+        {"w": jax.random.normal(k[1], (8, 3)) / 3, "b": jnp.zeros(3)},
+    ]
+    x = np.asarray(jax.random.normal(k[2], (BATCH, 6)))
+    y = np.asarray(jax.random.randint(k[3], (BATCH,), 0, 3))
+    return jax.tree_util.tree_map(np.asarray, params), (x, y)
+
+
+def train(config: str, params: Any, batch: Any, steps: int = 4) -> tuple[curvax.Optimizer, Any, Any, list[float]]:
+    """``steps`` optimizer steps; returns the optimizer, parameters, state and the losses."""
+    ctor, step_kwargs = CONFIGS[config]
+    opt = curvax.Optimizer(jax.value_and_grad(loss_fn), l2_reg=1e-3, **ctor)
+    state = opt.init(params, jax.random.PRNGKey(1), batch)
+    losses = []
+    for i in range(steps):
+        params, state, stats = opt.step(params, state, jax.random.PRNGKey(2 + i), batch=batch, **step_kwargs)
+        losses.append(float(stats["loss"]))
+    return opt, params, state, losses
+
+
+def _compiled_step_text(opt: curvax.Optimizer, params: Any, state: Any, batch: Any, config: str) -> str:
+    f32 = lambda v: jnp.asarray(v, jnp.float32)
+    kw = CONFIGS[config][1]
+    coeffs = [f32(kw.get(k, 0.0)) for k in ("learning_rate", "momentum", "damping")]
+    return opt._jit_step.lower(params, state, jax.random.PRNGKey(0), batch, None, *coeffs).compile().as_text()
+
+
+def on_devices() -> dict[str, Any]:
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    params, batch = data()
+    out: dict[str, Any] = {"devices": jax.device_count()}
+    for config in CONFIGS:
+        _, p1, _, l1 = train(config, jax.device_put(params, jax.devices()[0]), jax.device_put(batch, jax.devices()[0]))
+        sharded_batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        opt, pn, state, ln = train(config, jax.device_put(params, NamedSharding(mesh, P())), sharded_batch)
+        trace_count = opt.trace_count  # before lowering the step again below
+        hlo = _compiled_step_text(opt, pn, state, sharded_batch, config)
+        out[config] = {
+            "losses_one_device": l1,
+            "losses_sharded": ln,
+            "max_param_diff": max(
+                float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(pn))
+            ),
+            "params_replicated": all(leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(pn)),
+            "params_on_all_devices": all(len(leaf.sharding.device_set) == jax.device_count() for leaf in jax.tree_util.tree_leaves(pn)),
+            "trace_count": trace_count,
+            "all_reduces": hlo.count("all-reduce("),
+            "all_gathers": hlo.count("all-gather("),
+        }
+    return out
+
+
+def in_process(pid: int, num: int, port: int) -> dict[str, Any]:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num, process_id=pid)
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    params, (x, y) = data()
+    rows = slice(pid * BATCH // num, (pid + 1) * BATCH // num)  # this process's rows only
+    batch = tuple(jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), a[rows]) for a in (x, y))
+    replicated = NamedSharding(mesh, P())
+    params = jax.tree_util.tree_map(lambda a: jax.make_array_from_callback(a.shape, replicated, lambda i: a[i]), params)
+    out: dict[str, Any] = {"pid": pid, "processes": jax.process_count(), "devices": jax.device_count()}
+    for config in CONFIGS:
+        opt, p, _, losses = train(config, params, batch)
+        out[config] = {
+            "losses": losses,
+            "params": [np.asarray(leaf.addressable_data(0)).tolist() for leaf in jax.tree_util.tree_leaves(p)],
+            "trace_count": opt.trace_count,
+        }
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "devices":
+        print(json.dumps(on_devices()))
+    else:
+        print(json.dumps(in_process(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))

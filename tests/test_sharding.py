@@ -1,0 +1,102 @@
+"""Several devices and several processes through ``jax.sharding``: one step, partitioned by XLA.
+
+The optimizer's step is one jitted function of global arrays. With the batch sharded over a mesh
+axis and the parameters replicated, XLA partitions it: each device runs its share of the forward
+and backward passes and of the curvature statistics, and the sums over the batch (gradients,
+Kronecker factors, the quadratic model) become all-reduces. The result must be the one-device
+result. The device count is fixed when JAX starts, so the runs happen in subprocesses
+(``tests/sharding_child.py``): four CPU devices in one process
+(``--xla_force_host_platform_device_count``), and two processes of two devices each joined by
+``jax.distributed`` over loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import sharding_child as child
+
+HERE = Path(__file__).parent
+
+
+def _env(devices: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def _last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, tuple[list[float], list[np.ndarray]]]:
+    """Each configuration trained in this process, on one device."""
+    params, batch = child.data()
+    out = {}
+    for config in child.CONFIGS:
+        _, p, _, losses = child.train(config, params, batch)
+        out[config] = (losses, [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(p)])
+    return out
+
+
+def test_sharded_batch_on_four_devices_matches_one_device():
+    proc = subprocess.run([sys.executable, "sharding_child.py", "devices"], cwd=HERE, env=_env(4),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = _last_json(proc.stdout)
+    assert out["devices"] == 4
+    for config in child.CONFIGS:
+        r = out[config]
+        np.testing.assert_allclose(r["losses_sharded"], r["losses_one_device"], rtol=1e-5, err_msg=config)
+        assert r["losses_sharded"][-1] < r["losses_sharded"][0], config
+        assert r["max_param_diff"] < 1e-5, config
+        # The updated parameters stay replicated on every device, and the step compiled once.
+        assert r["params_replicated"] and r["params_on_all_devices"], config
+        assert r["trace_count"] == 1, config
+        # The batch was not gathered onto every device: the statistics were reduced instead.
+        assert r["all_reduces"] > 0, config
+    assert out["adaptive"]["all_gathers"] == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_over_loopback_match_one_device(reference):
+    port = _free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "sharding_child.py", "process", str(pid), "2", str(port)], cwd=HERE,
+                         env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for pid in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=600))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    results = [_last_json(stdout) for stdout, _ in outs]
+    assert [r["pid"] for r in results] == [0, 1]
+    for r in results:
+        assert r["processes"] == 2 and r["devices"] == 4
+        for config in child.CONFIGS:
+            losses, params = reference[config]
+            np.testing.assert_allclose(r[config]["losses"], losses, rtol=1e-5, err_msg=config)
+            for got, want in zip(r[config]["params"], params):
+                np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, err_msg=config)
+            assert r[config]["trace_count"] == 1
