@@ -79,7 +79,7 @@ def _compiled_step_text(opt: curvax.Optimizer, params: Any, state: Any, batch: A
 def on_devices() -> dict[str, Any]:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    mesh = Mesh(np.array(jax.devices()), ("data",))
+    mesh = Mesh(jax.devices(), ("data",))  # as in README, Several devices and hosts
     params, batch = data()
     out: dict[str, Any] = {"devices": jax.device_count()}
     for config in CONFIGS:
@@ -109,7 +109,7 @@ def in_process(pid: int, num: int, port: int) -> dict[str, Any]:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num, process_id=pid)
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    mesh = Mesh(np.array(jax.devices()), ("data",))
+    mesh = Mesh(jax.devices(), ("data",))  # as in README, Several devices and hosts
     params, (x, y) = data()
     rows = slice(pid * BATCH // num, (pid + 1) * BATCH // num)  # this process's rows only
     batch = tuple(jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), a[rows]) for a in (x, y))

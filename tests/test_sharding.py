@@ -100,3 +100,17 @@ def test_two_processes_over_loopback_match_one_device(reference):
             for got, want in zip(r[config]["params"], params):
                 np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, err_msg=config)
             assert r[config]["trace_count"] == 1
+
+
+def test_state_placement_is_left_to_jax_on_one_device():
+    """``parallel.params_mesh`` picks a mesh only for parameters spread over several devices."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from curvax import parallel
+
+    params, _ = child.data()
+    assert parallel.params_mesh(params) is None  # NumPy arrays
+    assert parallel.params_mesh(jax.device_put(params)) is None  # one device
+    one = jax.device_put(params, NamedSharding(Mesh(jax.devices()[:1], ("data",)), PartitionSpec()))
+    assert parallel.params_mesh(one) is None  # a mesh of one device
+    assert parallel.constrain(params, None) is params
