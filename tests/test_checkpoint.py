@@ -1,0 +1,88 @@
+"""Checkpoints: the optimizer state is a pytree of arrays, so any array store can save it.
+
+Training that stops, saves ``(params, state)`` to a file, and resumes in a new optimizer (as a
+new process would: ``init`` traces the model again, the loaded arrays replace its state) must
+continue exactly as training that never stopped: the same losses, damping and parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import curvax
+
+
+def _loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    logits = h @ params["w2"]
+    curvax.register_softmax_cross_entropy_loss(logits, y)
+    return jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 4), axis=-1))
+
+
+def _make() -> curvax.Optimizer:
+    return curvax.Optimizer(
+        jax.value_and_grad(_loss), l2_reg=1e-3, use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+        use_adaptive_damping=True, initial_damping=1.0, num_burnin_steps=2, inverse_update_period=2,
+        damping_adaptation_interval=2,
+    )
+
+
+def _data() -> tuple[dict[str, jax.Array], tuple[jax.Array, jax.Array]]:
+    k = jax.random.split(jax.random.PRNGKey(0), 5)
+    params = {"w1": jax.random.normal(k[0], (5, 7)) / 2, "b1": jnp.zeros(7), "w2": jax.random.normal(k[1], (7, 4)) / 2}
+    return params, (jax.random.normal(k[2], (24, 5)), jax.random.randint(k[3], (24,), 0, 4))
+
+
+def _train(opt: curvax.Optimizer, params: Any, state: Any, batch: Any, steps: range) -> tuple[Any, Any, list]:
+    stats = []
+    for i in steps:
+        params, state, s = opt.step(params, state, jax.random.PRNGKey(100 + i), batch=batch, global_step_int=i)
+        stats.append((float(s["loss"]), float(s["damping"]), float(s["learning_rate"])))
+    return params, state, stats
+
+
+def _save(path: Path, tree: Any) -> None:
+    leaves = jax.tree_util.tree_leaves(tree)
+    np.savez(path, **{f"leaf{i:04d}": np.asarray(x) for i, x in enumerate(leaves)})
+
+
+def _load(path: Path, like: Any) -> Any:
+    """The arrays saved in ``path``, in the structure of ``like`` (a freshly initialised tree)."""
+    with np.load(path) as f:
+        leaves = [f[f"leaf{i:04d}"] for i in range(len(f.files))]
+    treedef = jax.tree_util.tree_structure(like)
+    assert treedef.num_leaves == len(leaves)
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in leaves])
+
+
+def test_resuming_from_a_saved_state_continues_exactly(tmp_path):
+    params0, batch = _data()
+    opt = _make()
+    state0 = opt.init(params0, jax.random.PRNGKey(1), batch)
+    p_all, s_all, stats_all = _train(opt, params0, state0, batch, range(6))
+
+    opt_a = _make()
+    state_a = opt_a.init(params0, jax.random.PRNGKey(1), batch)
+    p_a, s_a, stats_a = _train(opt_a, params0, state_a, batch, range(3))
+    _save(tmp_path / "ckpt.npz", (p_a, s_a))
+
+    # A new optimizer, as in a new process: init traces the model, the file supplies the arrays.
+    opt_b = _make()
+    fresh_state = opt_b.init(params0, jax.random.PRNGKey(1), batch)
+    p_b, s_b = _load(tmp_path / "ckpt.npz", (params0, fresh_state))
+    assert isinstance(s_b, curvax.Optimizer.State)
+    assert int(s_b.step_counter) == 3
+    p_b, s_b, stats_b = _train(opt_b, p_b, s_b, batch, range(3, 6))
+
+    np.testing.assert_allclose(stats_a + stats_b, stats_all, rtol=1e-6)
+    for got, want in zip(jax.tree_util.tree_leaves((p_b, s_b)), jax.tree_util.tree_leaves((p_all, s_all))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+    # The run changed the damping and the parameters, so the comparison above had something to compare.
+    assert len({round(d, 6) for _, d, _ in stats_all}) > 1
+    assert stats_all[-1][0] < stats_all[0][0]
