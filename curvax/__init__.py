@@ -62,6 +62,7 @@ from curvax.losses import (
     register_squared_error_loss,
 )
 from curvax.optimizer import Optimizer
+from curvax.preconditioner import KFACPreconditionerState, kfac_preconditioner
 from curvax.stacked import StackedBlock
 from curvax.patterns import GraphPattern
 from curvax.layers.conv import (
@@ -150,6 +151,8 @@ __all__ = [
     "NormalMeanVarianceNegativeLogProbLoss",
     "OneHotCategoricalLogitsNegativeLogProbLoss",
     "Optimizer",
+    "KFACPreconditionerState",
+    "kfac_preconditioner",
     "ProcessedJaxpr",
     "RepeatedDenseKroneckerFactored",
     "ScaledIdentity",

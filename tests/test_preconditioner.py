@@ -1,0 +1,140 @@
+"""``kfac_preconditioner``: K-FAC as an Optax gradient transformation.
+
+Chained with ``optax.sgd(lr, momentum=m)`` it must take the steps of ``curvax.Optimizer`` with
+that fixed learning rate, momentum and damping: both compute ``-lr (C + d I)^{-1} g + m delta``
+from the same statistics. It must also work inside a user's ``jax.jit``, keep its own random
+keys, follow a damping schedule and reject bad input with errors that name the argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import curvax
+
+LR, MOMENTUM, DAMPING, L2, EMA = 0.3, 0.5, 0.05, 1e-3, 0.9
+
+
+def _loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    logits = h @ params["w2"] + params["b2"]
+    curvax.register_softmax_cross_entropy_loss(logits, y)
+    return jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 4), axis=-1))
+
+
+def _data(n: int = 24) -> tuple[dict[str, jax.Array], tuple[jax.Array, jax.Array]]:
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {
+        "w1": jax.random.normal(k[0], (5, 7)) / 2, "b1": jnp.zeros(7),
+        "w2": jax.random.normal(k[1], (7, 4)) / 2, "b2": jnp.zeros(4),
+    }
+    return params, (jax.random.normal(k[2], (n, 5)), jax.random.randint(k[3], (n,), 0, 4))
+
+
+@pytest.mark.parametrize("mode", ["fisher_gradients", "fisher_empirical"])
+def test_chained_with_sgd_it_takes_the_optimizers_fixed_steps(mode):
+    params, batch = _data()
+    opt = curvax.Optimizer(jax.value_and_grad(_loss), l2_reg=L2, num_burnin_steps=0, inverse_update_period=2,
+                           curvature_ema=EMA, estimation_mode=mode)
+    state = opt.init(params, jax.random.PRNGKey(1), batch)
+    tx = optax.chain(
+        curvax.kfac_preconditioner(_loss, batch, DAMPING, l2_reg=L2, curvature_ema=EMA, inverse_update_period=2,
+                                   estimation_mode=mode),
+        optax.sgd(LR, momentum=MOMENTUM),
+    )
+    p_opt, p_tx = params, params
+    tx_state = tx.init(params)
+    for i in range(5):
+        key = jax.random.PRNGKey(10 + i)
+        p_opt, state, _ = opt.step(p_opt, state, key, batch=batch, learning_rate=LR, momentum=MOMENTUM, damping=DAMPING)
+        grads = jax.grad(_loss)(p_tx, batch)
+        # The optimizer draws its curvature key as the first half of the step's key.
+        updates, tx_state = tx.update(grads, tx_state, p_tx, batch=batch, rng=jax.random.split(key)[0])
+        p_tx = optax.apply_updates(p_tx, updates)
+        for name in params:
+            np.testing.assert_allclose(p_tx[name], p_opt[name], rtol=2e-5, atol=2e-6, err_msg=f"step {i} {name}")
+    assert int(tx_state[0].count) == 5
+    # Not the plain gradient step: the preconditioning changed the direction.
+    plain = optax.apply_updates(params, jax.tree_util.tree_map(lambda g: -LR * g, jax.grad(_loss)(params, batch)))
+    first = optax.apply_updates(params, tx.update(jax.grad(_loss)(params, batch), tx.init(params), params, batch=batch)[0])
+    assert max(float(jnp.max(jnp.abs(first[k] - plain[k]))) for k in params) > 1e-3
+
+
+def test_inside_a_jitted_train_step_with_its_own_keys():
+    params, batch = _data(32)
+    tx = optax.chain(curvax.kfac_preconditioner(_loss, batch, 1e-2, inverse_update_period=3), optax.sgd(0.5))
+    traces = []
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+        traces.append(1)
+        loss, grads = jax.value_and_grad(_loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params, batch=batch)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = tx.init(params)
+    keys, losses = [], []
+    for _ in range(8):
+        keys.append(np.asarray(opt_state[0].rng_key))
+        params, opt_state, loss = train_step(params, opt_state, batch)
+        losses.append(float(loss))
+    assert len(traces) == 1
+    assert losses[-1] < 0.7 * losses[0]
+    assert len({k.tobytes() for k in keys}) == len(keys)  # a fresh key for every update
+
+
+def test_damping_schedule_is_evaluated_at_the_count():
+    params, batch = _data()
+    grads = jax.grad(_loss)(params, batch)
+    const = curvax.kfac_preconditioner(_loss, batch, 0.1, inverse_update_period=1)
+    sched = curvax.kfac_preconditioner(_loss, batch, lambda count: 0.1 * (count + 1), inverse_update_period=1)
+    s_const, s_sched = const.init(params), sched.init(params)
+    u_const, s_const = const.update(grads, s_const, params, batch=batch)
+    u_sched, s_sched = sched.update(grads, s_sched, params, batch=batch)
+    # Count 0: the schedule gives 0.1, the constant's damping; count 1: 0.2, more damping, a shorter update.
+    for k in params:
+        np.testing.assert_allclose(u_sched[k], u_const[k], rtol=1e-6)
+    u_const, _ = const.update(grads, s_const, params, batch=batch)
+    u_sched, _ = sched.update(grads, s_sched, params, batch=batch)
+    assert float(curvax.utils.norm(u_sched)) < float(curvax.utils.norm(u_const))
+
+
+def test_bad_input_names_the_argument():
+    params, batch = _data()
+    with pytest.raises(ValueError, match="damping"):
+        curvax.kfac_preconditioner(_loss, batch, -1.0)
+    with pytest.raises(ValueError, match="inverse_update_period"):
+        curvax.kfac_preconditioner(_loss, batch, 0.1, inverse_update_period=0)
+    with pytest.raises(ValueError, match="curvature_ema"):
+        curvax.kfac_preconditioner(_loss, batch, 0.1, curvature_ema=1.0)
+    with pytest.raises(ValueError, match="l2_reg"):
+        curvax.kfac_preconditioner(_loss, batch, 0.1, l2_reg=-1.0)
+    with pytest.raises(ValueError, match="estimation_mode"):
+        curvax.kfac_preconditioner(_loss, batch, 0.1, estimation_mode="fisher")
+    with pytest.raises(TypeError, match="loss_fn"):
+        curvax.kfac_preconditioner("loss", batch, 0.1)
+    tx = curvax.kfac_preconditioner(_loss, batch, 0.1)
+    state = tx.init(params)
+    grads = jax.grad(_loss)(params, batch)
+    with pytest.raises(ValueError, match="batch"):
+        tx.update(grads, state, params)
+    with pytest.raises(ValueError, match="params"):
+        tx.update(grads, state, batch=batch)
+    with pytest.raises(ValueError, match="structure"):
+        tx.update({"w1": grads["w1"]}, state, params, batch=batch)
+    with pytest.raises(ValueError, match="batch"):
+        tx.update(grads, state, params, batch=(batch[0], batch[1][:5]))
+
+
+def test_no_registered_loss_is_a_clear_error():
+    params, batch = _data()
+    tx = curvax.kfac_preconditioner(lambda p, b: jnp.sum(b[0] @ p["w1"]), batch, 0.1)
+    with pytest.raises(ValueError, match="loss"):
+        tx.init(params)
