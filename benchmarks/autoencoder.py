@@ -56,6 +56,32 @@ def adam_runner(images: jax.Array, lr: float, seed: int) -> tuple[Step, Any]:
     return step, (params, tx.init(params))
 
 
+def kfac_optax_runner(images: jax.Array, seed: int, fixed: dict[str, float]) -> tuple[Step, Any]:
+    """curvax's Optax transformation chained with ``optax.sgd``, in a user's jitted step.
+
+    The fixed mode's update (same learning rate, momentum, damping, EMA and inverse period),
+    but the gradient comes from the user's own ``value_and_grad``: the curvature statistics
+    pay a second forward pass that ``Optimizer.step`` shares.
+    """
+    import curvax
+
+    tx = optax.chain(
+        curvax.kfac_preconditioner(ae.loss_fn, images, fixed["damping"], l2_reg=ae.L2_REG, curvature_ema=0.95,
+                                   inverse_update_period=5, seed=seed + 1),
+        optax.sgd(fixed["learning_rate"], momentum=fixed["momentum"] or None),
+    )
+    params = ae.init_params(jax.random.PRNGKey(seed))
+
+    @jax.jit
+    def step(carry: Any) -> tuple[Any, jax.Array]:
+        params, opt_state = carry
+        loss, grads = jax.value_and_grad(ae.loss_fn)(params, images)
+        updates, opt_state = tx.update(grads, opt_state, params, batch=images)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return step, (params, tx.init(params))
+
+
 # Curvature variants compared with the default Kronecker blocks (issue: EKFAC and diagonal).
 BLOCK_VARIANTS: dict[str, dict[str, Any]] = {
     "kronecker": {},

@@ -40,6 +40,8 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any]]] = {
     f"curvax_adaptive_period{bench.PERIOD_VARIANT}": (True, {"curvature_update_period": bench.PERIOD_VARIANT}),
 }
 DEFAULT = tuple(list(VARIANTS)[:4])
+# curvax.kfac_preconditioner chained with optax.sgd: the fixed mode through Optax (named in --only).
+OPTAX_VARIANT = "optax_kfac_fixed"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -47,7 +49,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-images", type=int, default=2000, help="full-batch size (default 2000)")
     p.add_argument("--rounds", type=int, default=40, help="timed rounds, one step of each optimizer (default 40)")
     p.add_argument("--warmup", type=int, default=6, help="untimed steps of each optimizer first (default 6)")
-    p.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(DEFAULT),
+    p.add_argument("--only", nargs="+", choices=[*VARIANTS, OPTAX_VARIANT], default=list(DEFAULT),
                    help="curvax variants to time against Adam (default: fixed and adaptive, whole batch and sub25)")
     p.add_argument("--adam-lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -67,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     images = jnp.asarray(datasets.load_mnist_images(args.num_images))
     runners: dict[str, Any] = {"adam": bench.adam_runner(images, args.adam_lr, args.seed)}
     for name in args.only:
+        if name == OPTAX_VARIANT:
+            runners[name] = bench.kfac_optax_runner(images, args.seed, FIXED)
+            continue
         adaptive, extra = VARIANTS[name]
         runners[name] = bench.kfac_runner(images, args.seed, adaptive, FIXED, 1.0, **extra)
     names = list(runners)

@@ -335,7 +335,7 @@ class Optimizer:
         func_args = self._make_func_args(params, func_state, rng, batch)
         self._check_value_and_grad_output(func_args)
         self._estimator.finalize(func_args)
-        self._params_spec = _spec(params)
+        self._params_spec = utils.tree_spec(params)
         names = [type(b).__name__ for b in self._estimator.blocks]
         table = self._estimator.processed_jaxpr.registration_table(params, names)
         has_generic = any(s.pattern == "generic" for s in self._estimator.processed_jaxpr.layer_sites)
@@ -448,10 +448,10 @@ class Optimizer:
             raise RuntimeError("Call `optimizer.init(params, rng, batch)` before `step`.")
         if not isinstance(state, OptimizerState):
             raise TypeError(f"`state` must be the Optimizer.State returned by init/step, got {type(state).__name__}.")
-        if _spec(params) != self._params_spec:
+        if utils.tree_spec(params) != self._params_spec:
             raise ValueError(
                 "`params` differ in structure, shapes or dtypes from those passed to init:\n"
-                f"init: {self._params_spec}\nstep: {_spec(params)}"
+                f"init: {self._params_spec}\nstep: {utils.tree_spec(params)}"
             )
         if self._has_state and func_state is None:
             raise ValueError("value_func_has_state=True: pass `func_state` to step.")
@@ -801,11 +801,6 @@ class Optimizer:
                     f"Parameter {jax.tree_util.keystr(path) or '<root>'} has dtype {jnp.result_type(leaf)}; "
                     "the optimizer needs floating-point parameters."
                 )
-
-
-def _spec(tree: Any) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
 
 
 def _describe(x: Any) -> str:

@@ -88,7 +88,19 @@ def kfac_preconditioner(
         value = damping(count) if callable(damping) else damping
         return jnp.asarray(value, jnp.float32)
 
+    init_spec: list[Any] = []  # the parameters' structure, shapes and dtypes at the first init
+
+    def check_params(params: Any, where: str) -> None:
+        spec = utils.tree_spec(params)
+        if init_spec and spec != init_spec[0]:
+            raise ValueError(
+                f"`params` passed to {where} differ in structure, shapes or dtypes from those of the first init "
+                f"(the transformation traced the model for those):\nfirst init: {init_spec[0]}\n{where}: {spec}"
+            )
+        init_spec[:] = [spec]
+
     def init_fn(params: Any) -> KFACPreconditionerState:
+        check_params(params, "init")
         func_args = (params, example_batch)
         estimator.finalize(func_args)
         key = jax.random.PRNGKey(seed)
@@ -109,6 +121,9 @@ def kfac_preconditioner(
             )
         if not isinstance(state, KFACPreconditionerState):
             raise TypeError(f"`state` must be the KFACPreconditionerState from init, got {type(state).__name__}.")
+        if not init_spec:
+            raise RuntimeError("Call the transformation's init(params) before update.")
+        check_params(params, "update")
         if jax.tree_util.tree_structure(updates) != jax.tree_util.tree_structure(params):
             raise ValueError(
                 "`updates` and `params` differ in structure: "

@@ -59,6 +59,12 @@ def vector_of_inner_products(base: Any, vectors: Sequence[Any]) -> jax.Array:
     return jnp.stack([inner_product(base, v) for v in vectors])
 
 
+def tree_spec(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]:
+    """The structure, shapes and dtypes of ``tree`` (arrays or tracers): what a compiled step depends on."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
+
+
 def default_batch_size_extractor(batch: Batch) -> int:
     """The size of the leading axis of the batch's first leaf (static)."""
     leaves = jax.tree_util.tree_leaves(batch)

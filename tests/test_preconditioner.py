@@ -131,6 +131,13 @@ def test_bad_input_names_the_argument():
         tx.update({"w1": grads["w1"]}, state, params, batch=batch)
     with pytest.raises(ValueError, match="batch"):
         tx.update(grads, state, params, batch=(batch[0], batch[1][:5]))
+    other = {**params, "w2": jnp.zeros((7, 3)), "b2": jnp.zeros(3)}
+    with pytest.raises(ValueError, match="`params` passed to update differ"):
+        tx.update(grads, state, other, batch=batch)
+    with pytest.raises(ValueError, match="`params` passed to init differ"):
+        tx.init(other)
+    with pytest.raises(RuntimeError, match="init"):
+        curvax.kfac_preconditioner(_loss, batch, 0.1).update(grads, state, params, batch=batch)
 
 
 def test_no_registered_loss_is_a_clear_error():
