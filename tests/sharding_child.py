@@ -69,6 +69,26 @@ def train(config: str, params: Any, batch: Any, steps: int = 4) -> tuple[curvax.
     return opt, params, state, losses
 
 
+def train_optax(params: Any, batch: Any, steps: int = 4) -> tuple[Any, list[float]]:
+    """The Optax path: ``kfac_preconditioner`` chained with SGD, in a jitted step."""
+    import optax
+
+    tx = optax.chain(curvax.kfac_preconditioner(loss_fn, batch, 0.1, inverse_update_period=2), optax.sgd(0.1))
+
+    @jax.jit
+    def step(params: Any, opt_state: Any) -> tuple[Any, Any, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params, batch=batch)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = tx.init(params)
+    losses = []
+    for _ in range(steps):
+        params, opt_state, loss = step(params, opt_state)
+        losses.append(float(loss))
+    return params, losses
+
+
 def _compiled_step_text(opt: curvax.Optimizer, params: Any, state: Any, batch: Any, config: str) -> str:
     f32 = lambda v: jnp.asarray(v, jnp.float32)
     kw = CONFIGS[config][1]
@@ -101,6 +121,10 @@ def on_devices() -> dict[str, Any]:
             "all_reduces": hlo.count("all-reduce("),
             "all_gathers": hlo.count("all-gather("),
         }
+    _, l1 = train_optax(jax.device_put(params, jax.devices()[0]), jax.device_put(batch, jax.devices()[0]))
+    pn, ln = train_optax(jax.device_put(params, NamedSharding(mesh, P())), sharded_batch)
+    out["optax"] = {"losses_one_device": l1, "losses_sharded": ln,
+                    "params_replicated": all(leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(pn))}
     return out
 
 

@@ -65,6 +65,10 @@ def test_sharded_batch_on_four_devices_matches_one_device():
         # The batch was not gathered onto every device: the statistics were reduced instead.
         assert r["all_reduces"] > 0, config
     assert out["adaptive"]["all_gathers"] == 0
+    # The Optax path (kfac_preconditioner + SGD in a jitted step) partitions the same way.
+    r = out["optax"]
+    np.testing.assert_allclose(r["losses_sharded"], r["losses_one_device"], rtol=1e-5)
+    assert r["losses_sharded"][-1] < r["losses_sharded"][0] and r["params_replicated"]
 
 
 def _free_port() -> int:
