@@ -12,7 +12,7 @@ kfac_jax`` runs kfac-jax code. Modules, in dependency order:
 * ``optimizer``              -- the K-FAC optimizer.
 """
 
-from curvax import layers, patterns, utils  # importing `layers` registers every layer kind
+from curvax import laplace, layers, patterns, utils  # importing `layers` registers every layer kind
 from curvax.blocks import (
     CurvatureBlock,
     DenseDiagonal,
@@ -98,6 +98,7 @@ __version__ = "0.1.0"
 tag_graph_matcher = patterns  # kfac-jax's module name for the pattern API
 
 __all__ = [
+    "laplace",
     "layers",
     "GraphPattern",
     "Conv2DDiagonal",
