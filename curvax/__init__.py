@@ -9,7 +9,9 @@ kfac_jax`` runs kfac-jax code. Modules, in dependency order:
 * ``blocks``, ``linalg``     -- curvature blocks (Kronecker, diagonal, full ...);
 * ``stacked``                -- blocks for layers stacked in a ``lax.scan``;
 * ``estimators``             -- block-diagonal and exact curvature estimators;
-* ``optimizer``              -- the K-FAC optimizer.
+* ``optimizer``, ``parallel`` -- the K-FAC optimizer; its state on several devices;
+* ``preconditioner``         -- K-FAC as an Optax gradient transformation;
+* ``laplace``                -- log-determinants, posterior samples, evidence.
 """
 
 from curvax import laplace, layers, patterns, utils  # importing `layers` registers every layer kind
