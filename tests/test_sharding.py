@@ -63,8 +63,7 @@ def test_sharded_batch_on_four_devices_matches_one_device():
         assert r["params_replicated"] and r["params_on_all_devices"], config
         assert r["trace_count"] == 1, config
         # The batch was not gathered onto every device: the statistics were reduced instead.
-        assert r["all_reduces"] > 0, config
-    assert out["adaptive"]["all_gathers"] == 0
+        assert r["all_reduces"] > 0 and r["all_gathers"] == 0, config
     # The Optax path (kfac_preconditioner + SGD in a jitted step) partitions the same way.
     r = out["optax"]
     np.testing.assert_allclose(r["losses_sharded"], r["losses_one_device"], rtol=1e-5)
