@@ -77,6 +77,10 @@ __all__ = [
 # ----------------------------------------------------------------------------------
 
 
+# Blocks without a closed form build their dense matrix for ``inverse_diagonal`` up to this size.
+DENSE_INVERSE_DIAGONAL_LIMIT = 4096
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class WeightedMovingAverage:
@@ -445,6 +449,34 @@ class CurvatureBlock(abc.ABC):
         s = self.scale(state, bool(use_cached))
         return _mul(self._eigenvalues_unscaled(state, bool(use_cached)), s)
 
+    def inverse_diagonal(self, state: "CurvatureBlock.State", identity_weight: Numeric) -> tuple[Array, ...]:
+        """The diagonal of ``(C + identity_weight I)^-1``, shaped like the block's parameters.
+
+        Exact, from the live statistics: the marginal variances of a Laplace posterior and the
+        denominators of Optimal Brain Surgeon saliencies. Kronecker, eigenvalue-corrected and
+        diagonal blocks have closed forms; other blocks use their dense matrix, up to
+        ``DENSE_INVERSE_DIAGONAL_LIMIT`` parameters.
+        """
+        s = self.scale(state, False)
+        out = self._inverse_diagonal_unscaled(state, _div(identity_weight, s))
+        factor = _pow_scalar(s, -1)
+        return tuple(_mul(jnp.reshape(o, shape), factor) for o, shape in zip(out, self.parameters_shapes))
+
+    def _inverse_diagonal_unscaled(self, state: Any, identity_weight: Numeric) -> tuple[Array, ...]:
+        """Default: the dense unscaled matrix's eigendecomposition (small blocks only)."""
+        if self.dim > DENSE_INVERSE_DIAGONAL_LIMIT:
+            raise NotImplementedError(
+                f"{self._name} ({type(self).__name__}): the diagonal of the inverse needs this block's dense "
+                f"{self.dim}x{self.dim} matrix, above the limit of {DENSE_INVERSE_DIAGONAL_LIMIT} parameters."
+            )
+        return self._dense_inverse_diagonal(self._to_dense_unscaled(state), identity_weight)
+
+    def _dense_inverse_diagonal(self, matrix: Array, identity_weight: Numeric) -> tuple[Array, ...]:
+        """``diag((matrix + w I)^-1) = (Q^2) (1 / (s + w))`` from ``matrix = Q diag(s) Q^T``, split per parameter."""
+        evals, evecs = linalg.safe_psd_eigh(matrix)
+        diag = (evecs**2) @ (1.0 / (evals + identity_weight))
+        return tuple(jnp.split(diag, np.cumsum(self.parameters_sizes)[:-1]))
+
     def update_cache(
         self,
         state: "CurvatureBlock.State",
@@ -560,6 +592,10 @@ class ScaledIdentity(CurvatureBlock):
         del state, use_cached
         return jnp.ones([self.dim], self.dtype)
 
+    def _inverse_diagonal_unscaled(self, state, identity_weight):
+        del state
+        return tuple(jnp.full(size, 1.0 / (1.0 + identity_weight), self.dtype) for size in self.parameters_sizes)
+
     def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
         del identity_weight, exact_powers, approx_powers, eigenvalues
         return state
@@ -630,6 +666,9 @@ class Diagonal(CurvatureBlock, abc.ABC):
 
     def _eigenvalues_unscaled(self, state, use_cached):
         return jnp.concatenate([jnp.ravel(d) for d in self._diagonals(state, use_cached)])
+
+    def _inverse_diagonal_unscaled(self, state, identity_weight):
+        return tuple(1.0 / (d + identity_weight) for d in self._diagonals(state, False))
 
     def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
         del identity_weight
@@ -933,6 +972,9 @@ class Full(CurvatureBlock, abc.ABC):
             return state.cache["eigenvalues"]
         return linalg.safe_eigvalsh(state.matrix.value)
 
+    def _inverse_diagonal_unscaled(self, state, identity_weight):
+        return self._dense_inverse_diagonal(self._to_dense_unscaled(state), identity_weight)  # held anyway: no limit
+
     def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
         cache = dict(state.cache or {})
         m = _mul(linalg.symmetrize(state.matrix.value), self.state_dependent_scale(state))
@@ -1154,6 +1196,14 @@ class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
             else:
                 out = linalg.psd_matrix_power(a_d, power) @ v @ linalg.psd_matrix_power(g_d, power)
         return self.array_to_parameters_shaped_list(out)
+
+    def _inverse_diagonal_unscaled(self, state, identity_weight):
+        # (A (x) G + w I)^-1 = (Qa (x) Qg) diag(1 / (sa sg^T + w)) (Qa (x) Qg)^T, whose diagonal
+        # in the block's (inputs x outputs) layout is Qa^2 [1 / (sa sg^T + w)] (Qg^2)^T.
+        a, g = self._factors(state)
+        sa, qa = linalg.safe_psd_eigh(a)
+        sg, qg = linalg.safe_psd_eigh(g)
+        return self.array_to_parameters_shaped_list((qa**2) @ (1.0 / (jnp.outer(sa, sg) + identity_weight)) @ (qg**2).T)
 
     def _eigenvalues_unscaled(self, state, use_cached):
         if use_cached:
@@ -1446,6 +1496,11 @@ class EigenvalueCorrectedKroneckerFactored(TwoKroneckerFactored, abc.ABC):
     def _eigenvalues_unscaled(self, state, use_cached):
         del use_cached
         return jnp.ravel(state.eigenvalue_correction.value)
+
+    def _inverse_diagonal_unscaled(self, state, identity_weight):
+        qa, qg = self._basis(state)
+        scalings = state.eigenvalue_correction.value
+        return self.array_to_parameters_shaped_list((qa**2) @ (1.0 / (scalings + identity_weight)) @ (qg**2).T)
 
     def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
         del identity_weight, exact_powers, approx_powers, eigenvalues

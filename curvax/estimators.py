@@ -410,6 +410,18 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     def eigenvalues(self, state, use_cached) -> jax.Array:
         return jnp.concatenate([jnp.ravel(e) for e in self.block_eigenvalues(state, use_cached)])
 
+    def inverse_diagonal(self, state: BlockDiagonalState, identity_weight: Any) -> Any:
+        """The diagonal of ``(C + identity_weight I)^-1``, structured like the parameters (ours).
+
+        Exact for the block-diagonal ``C``, block by block (``CurvatureBlock.inverse_diagonal``).
+        """
+        self._require_finalized()
+        weights = self._per_block(identity_weight, "identity_weight")
+        out = tuple(
+            b.inverse_diagonal(s, w) for b, s, w in zip(self._blocks, state.blocks_states, weights)  # type: ignore[arg-type]
+        )
+        return self.blocks_vectors_to_params_vector(out)
+
     def to_dense_matrix(self, state) -> jax.Array:
         """The block-diagonal matrix in the flat parameter order (leaves in pytree order)."""
         self._require_finalized()

@@ -5,7 +5,8 @@ Around trained parameters ``theta*``, the Laplace approximation of the posterior
 ``C`` is the per-example curvature an estimator holds (the mean over its batches; Fisher or GGN,
 any block structure) and ``N`` the number of training examples. The functions here take the
 estimator and its state and work block by block, exactly for the block-diagonal ``C``: log
-determinants from each block's eigenvalues, samples through each block's inverse square root.
+determinants from each block's eigenvalues, marginal variances from each block's inverse
+diagonal, samples through each block's inverse square root.
 """
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ def log_determinant(estimator: BlockDiagonalCurvature, state: Any, identity_weig
     scale = _positive(scale, "scale")
     eigenvalues = estimator.eigenvalues(state, use_cached=False)
     return jnp.sum(jnp.log(scale * eigenvalues + weight))
+
+
+def marginal_variances(estimator: BlockDiagonalCurvature, state: Any, identity_weight: float, scale: float = 1.0) -> Any:
+    """``diag((scale C + identity_weight I)^{-1})``, structured like the parameters.
+
+    The Laplace posterior's marginal variances (``scale = N``, ``identity_weight = prior
+    precision``); ``theta_q^2 / (2 [H^-1]_qq)`` is the Optimal Brain Surgeon saliency of
+    parameter ``q``. Exact for the block-diagonal ``C`` (``BlockDiagonalCurvature.inverse_diagonal``).
+    """
+    _check_estimator(estimator)
+    weight = _positive(identity_weight, "identity_weight")
+    scale = _positive(scale, "scale")
+    return utils.scalar_mul(estimator.inverse_diagonal(state, weight / scale), 1.0 / scale)
 
 
 def _parameter_template(estimator: BlockDiagonalCurvature) -> Any:

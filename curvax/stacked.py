@@ -82,6 +82,9 @@ class StackedBlock(CurvatureBlock):
         mul = lambda s, v: self.inner.multiply_matpower(s, v, identity_weight, power, exact_power, use_cached)
         return tuple(jax.vmap(mul)(state, vec))
 
+    def inverse_diagonal(self, state: Any, identity_weight: Numeric) -> tuple:
+        return tuple(jax.vmap(lambda s: self.inner.inverse_diagonal(s, identity_weight))(state))
+
     def eigenvalues(self, state: Any, use_cached: bool) -> Any:
         return jnp.ravel(jax.vmap(lambda s: self.inner.eigenvalues(s, use_cached))(state))
 

@@ -150,3 +150,71 @@ def test_bad_input_names_the_argument():
         laplace.log_determinant("not an estimator", state, 1.0)
     with pytest.raises(ValueError, match="init"):
         laplace.log_determinant(curvax.BlockDiagonalCurvature(_mlp_loss), state, 1.0)
+
+
+def _diag_oracle(est: Any, state: Any, weight: float, scale: float) -> jax.Array:
+    dense = est.to_dense_matrix(state)
+    return jnp.diag(jnp.linalg.inv(scale * dense + weight * jnp.eye(dense.shape[0])))
+
+
+def _flat(tree: Any) -> jax.Array:
+    return jnp.concatenate([jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
+
+
+@pytest.mark.parametrize("block", ["DenseTwoKroneckerFactored", "DenseEigenvalueCorrected", "DenseFull",
+                                   "DenseDiagonal", "DenseTNT"])
+def test_marginal_variances_equal_the_dense_inverse_diagonal(block):
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {
+        "w1": jax.random.normal(k[0], (4, 5)) / 2, "b1": 0.1 * jnp.ones(5),
+        "w2": jax.random.normal(k[1], (5, 3)) / 2, "temperature": jnp.asarray(1.3),
+    }
+    batch = (jax.random.normal(k[2], (40, 4)), jax.random.randint(k[3], (40,), 0, 3))
+    est = curvax.BlockDiagonalCurvature(_mlp_loss, layer_tag_to_block_ctor={"dense": getattr(curvax, block)})
+    state = est.init(jax.random.PRNGKey(1), (params, batch), None, None)
+    for i in range(2):  # two updates: EKFAC's scalings then differ from K-FAC's eigenvalues
+        state = est.update_curvature_matrix_estimate(state, 0.5, 1.0, 40, jax.random.PRNGKey(2 + i),
+                                                     (params, batch), estimation_mode="fisher_gradients")
+        state = est.update_cache(state, 0.1, None, None, False)  # EKFAC: a fresh eigenbasis
+    assert type(est.blocks[0]).__name__ == block
+    for weight, scale in [(0.1, 1.0), (2.0, 40.0)]:
+        got = laplace.marginal_variances(est, state, weight, scale=scale)
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(params)
+        np.testing.assert_allclose(_flat(got), _diag_oracle(est, state, weight, scale), rtol=1e-9, atol=1e-12)
+
+
+def test_marginal_variances_of_stacked_and_embedding_blocks():
+    def loss(params, batch):
+        ids, y = batch
+        h = jnp.take(params["table"], ids, axis=0).sum(axis=1)
+
+        def layer(h, wb):
+            return jnp.tanh(h @ wb[0] + wb[1]), None
+
+        h, _ = jax.lax.scan(layer, h, (params["ws"], params["bs"]))
+        logits = h @ params["out"]
+        curvax.register_softmax_cross_entropy_loss(logits, y)
+        return jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 3), axis=-1))
+
+    k = jax.random.split(jax.random.PRNGKey(0), 5)
+    params = {"table": jax.random.normal(k[0], (9, 4)), "ws": jax.random.normal(k[1], (2, 4, 4)) / 2,
+              "bs": jnp.zeros((2, 4)), "out": jax.random.normal(k[2], (4, 3))}
+    batch = (jax.random.randint(k[3], (30, 3), 0, 9), jax.random.randint(k[4], (30,), 0, 3))
+    est = curvax.BlockDiagonalCurvature(loss)
+    state = est.init(jax.random.PRNGKey(1), (params, batch), None, None)
+    state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, 30, jax.random.PRNGKey(2), (params, batch),
+                                                 estimation_mode="fisher_exact")
+    kinds = sorted(type(b).__name__ for b in est.blocks)
+    assert kinds == ["DenseTwoKroneckerFactored", "EmbeddingKroneckerFactored", "StackedBlock"], kinds
+    got = laplace.marginal_variances(est, state, 0.3, scale=30.0)
+    np.testing.assert_allclose(_flat(got), _diag_oracle(est, state, 0.3, 30.0), rtol=1e-9, atol=1e-12)
+
+
+def test_blocks_without_a_closed_form_stop_at_the_dense_limit(monkeypatch):
+    from curvax import blocks
+
+    est, state, _ = _mlp_curvature()
+    monkeypatch.setattr(blocks, "DENSE_INVERSE_DIAGONAL_LIMIT", 4)
+    embedding_like = blocks.CurvatureBlock._inverse_diagonal_unscaled  # the dense fallback
+    with pytest.raises(NotImplementedError, match="limit of 4 parameters"):
+        embedding_like(est.blocks[0], state.blocks_states[0], 1.0)

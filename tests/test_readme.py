@@ -75,6 +75,9 @@ def test_laplace_example_runs(x64):
     logdet = scope["laplace"].log_determinant(est, state, identity_weight=alpha, scale=n)
     _, want = jnp.linalg.slogdet(n * est.to_dense_matrix(state) + alpha * jnp.eye(est.dim))
     np.testing.assert_allclose(logdet, want, rtol=1e-8)
+    variances = jnp.concatenate([jnp.ravel(v) for v in jax.tree_util.tree_leaves(scope["variances"])])
+    inverse = jnp.linalg.inv(n * est.to_dense_matrix(state) + alpha * jnp.eye(est.dim))
+    np.testing.assert_allclose(variances, jnp.diag(inverse), rtol=1e-8)
 
 
 def test_several_devices_example_steps():
