@@ -21,12 +21,6 @@ from curvax import utils
 from curvax.estimators import BlockDiagonalCurvature
 
 
-def _positive(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}.")
-    return float(value)
-
-
 def _check_estimator(estimator: Any) -> None:
     if not isinstance(estimator, BlockDiagonalCurvature):
         raise TypeError(f"`estimator` must be a curvax BlockDiagonalCurvature, got {type(estimator).__name__}.")
@@ -41,8 +35,8 @@ def log_determinant(estimator: BlockDiagonalCurvature, state: Any, identity_weig
     (a Kronecker block's eigenvalues are the products of its factors' eigenvalues).
     """
     _check_estimator(estimator)
-    weight = _positive(identity_weight, "identity_weight")
-    scale = _positive(scale, "scale")
+    weight = utils.check_number(identity_weight, "identity_weight", 0.0, low_open=True)
+    scale = utils.check_number(scale, "scale", 0.0, low_open=True)
     eigenvalues = estimator.eigenvalues(state, use_cached=False)
     return jnp.sum(jnp.log(scale * eigenvalues + weight))
 
@@ -55,8 +49,8 @@ def marginal_variances(estimator: BlockDiagonalCurvature, state: Any, identity_w
     parameter ``q``. Exact for the block-diagonal ``C`` (``BlockDiagonalCurvature.inverse_diagonal``).
     """
     _check_estimator(estimator)
-    weight = _positive(identity_weight, "identity_weight")
-    scale = _positive(scale, "scale")
+    weight = utils.check_number(identity_weight, "identity_weight", 0.0, low_open=True)
+    scale = utils.check_number(scale, "scale", 0.0, low_open=True)
     return utils.scalar_mul(estimator.inverse_diagonal(state, weight / scale), 1.0 / scale)
 
 
@@ -78,10 +72,10 @@ def sample(
     axis of that size.
     """
     _check_estimator(estimator)
-    weight = _positive(identity_weight, "identity_weight")
-    scale = _positive(scale, "scale")
-    if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1):
-        raise ValueError(f"`num_samples` must be None or an integer >= 1, got {num_samples!r}.")
+    weight = utils.check_number(identity_weight, "identity_weight", 0.0, low_open=True)
+    scale = utils.check_number(scale, "scale", 0.0, low_open=True)
+    if num_samples is not None:
+        num_samples = utils.check_int(num_samples, "num_samples", 1)
     template = _parameter_template(estimator)
 
     def one(key: jax.Array) -> Any:
@@ -112,9 +106,8 @@ def log_marginal_likelihood(
     exact GGN.
     """
     _check_estimator(estimator)
-    alpha = _positive(prior_precision, "prior_precision")
-    if isinstance(num_data, bool) or not isinstance(num_data, int) or num_data < 1:
-        raise ValueError(f"`num_data` must be an integer >= 1, got {num_data!r}.")
+    alpha = utils.check_number(prior_precision, "prior_precision", 0.0, low_open=True)
+    num_data = utils.check_int(num_data, "num_data", 1)
     if utils.tree_spec(params) != utils.tree_spec(_parameter_template(estimator)):
         raise ValueError("`params` must have the structure, shapes and dtypes of the parameters the estimator traced.")
     dim = sum(int(math.prod(jnp.shape(x))) for x in jax.tree_util.tree_leaves(params))

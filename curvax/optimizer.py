@@ -151,16 +151,8 @@ class Optimizer:
             ("inverse_update_period", inverse_update_period),
             ("curvature_update_period", curvature_update_period),
         ):
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {v!r}.")
-        if (
-            isinstance(curvature_batch_fraction, bool)
-            or not isinstance(curvature_batch_fraction, (int, float, np.integer, np.floating))
-            or not 0.0 < float(curvature_batch_fraction) <= 1.0
-        ):
-            raise ValueError(
-                f"`curvature_batch_fraction` must be a number in (0, 1], got {curvature_batch_fraction!r}."
-            )
+            utils.check_int(v, name, 1)
+        utils.check_number(curvature_batch_fraction, "curvature_batch_fraction", 0.0, 1.0, low_open=True, high_open=False)
         if not isinstance(num_burnin_steps, (int, np.integer)) or num_burnin_steps < 0:
             raise ValueError(f"`num_burnin_steps` must be a non-negative integer, got {num_burnin_steps!r}.")
         if not 0.0 <= float(curvature_ema) <= 1.0:

@@ -29,12 +29,6 @@ class KFACPreconditionerState(NamedTuple):
     estimator_state: Any
 
 
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-    return value
-
-
 def kfac_preconditioner(
     loss_fn: Callable[[Any, Any], Any],
     example_batch: Any,
@@ -71,13 +65,10 @@ def kfac_preconditioner(
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
     if not callable(damping):
-        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not damping >= 0:
-            raise ValueError(f"`damping` must be a number >= 0 or a schedule (callable), got {damping!r}.")
-    if isinstance(l2_reg, bool) or not isinstance(l2_reg, (int, float)) or not l2_reg >= 0:
-        raise ValueError(f"`l2_reg` must be a number >= 0, got {l2_reg!r}.")
-    if isinstance(curvature_ema, bool) or not isinstance(curvature_ema, (int, float)) or not 0 <= curvature_ema < 1:
-        raise ValueError(f"`curvature_ema` must be in [0, 1), got {curvature_ema!r}.")
-    period = _positive_int(inverse_update_period, "inverse_update_period")
+        utils.check_number(damping, "damping", 0.0)
+    utils.check_number(l2_reg, "l2_reg", 0.0)
+    utils.check_number(curvature_ema, "curvature_ema", 0.0, 1.0)
+    period = utils.check_int(inverse_update_period, "inverse_update_period", 1)
     mode = estimators.check_estimation_mode(estimation_mode)
     utils.check_batch_leading_sizes(example_batch)
     estimator = estimators.BlockDiagonalCurvature(

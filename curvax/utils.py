@@ -59,6 +59,26 @@ def vector_of_inner_products(base: Any, vectors: Sequence[Any]) -> jax.Array:
     return jnp.stack([inner_product(base, v) for v in vectors])
 
 
+def check_int(value: Any, name: str, minimum: int) -> int:
+    """``value`` as an int, or a ValueError naming ``name`` unless it is an integer >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def check_number(value: Any, name: str, low: float, high: float = math.inf, *, low_open: bool = False,
+                 high_open: bool = True) -> float:
+    """``value`` as a float, or a ValueError naming ``name`` unless it is a real number in the interval."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+    if ok:
+        v = float(value)
+        ok = (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"`{name}` must be a number in {interval}, got {value!r}.")
+    return float(value)
+
+
 def tree_spec(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]:
     """The structure, shapes and dtypes of ``tree`` (arrays or tracers): what a compiled step depends on."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)

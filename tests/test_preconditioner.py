@@ -8,7 +8,6 @@ keys, follow a damping schedule and reject bad input with errors that name the a
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,25 +16,16 @@ import optax
 import pytest
 
 import curvax
+import models
 
 LR, MOMENTUM, DAMPING, L2, EMA = 0.3, 0.5, 0.05, 1e-3, 0.9
 
 
-def _loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
-    x, y = batch
-    h = jnp.tanh(x @ params["w1"] + params["b1"])
-    logits = h @ params["w2"] + params["b2"]
-    curvax.register_softmax_cross_entropy_loss(logits, y)
-    return jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 4), axis=-1))
+_loss = models.softmax_loss
 
 
 def _data(n: int = 24) -> tuple[dict[str, jax.Array], tuple[jax.Array, jax.Array]]:
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    params = {
-        "w1": jax.random.normal(k[0], (5, 7)) / 2, "b1": jnp.zeros(7),
-        "w2": jax.random.normal(k[1], (7, 4)) / 2, "b2": jnp.zeros(4),
-    }
-    return params, (jax.random.normal(k[2], (n, 5)), jax.random.randint(k[3], (n,), 0, 4))
+    return models.classifier(n, (5, 7, 4))
 
 
 @pytest.mark.parametrize("mode", ["fisher_gradients", "fisher_empirical"])
@@ -114,6 +104,10 @@ def test_bad_input_names_the_argument():
         curvax.kfac_preconditioner(_loss, batch, 0.1, inverse_update_period=0)
     with pytest.raises(ValueError, match="curvature_ema"):
         curvax.kfac_preconditioner(_loss, batch, 0.1, curvature_ema=1.0)
+    with pytest.raises(ValueError, match=r"`damping` must be a number in \[0, inf\), got True"):
+        curvax.kfac_preconditioner(_loss, batch, True)
+    with pytest.raises(ValueError, match="`inverse_update_period` must be an integer >= 1, got 2.0"):
+        curvax.kfac_preconditioner(_loss, batch, 0.1, inverse_update_period=2.0)
     with pytest.raises(ValueError, match="l2_reg"):
         curvax.kfac_preconditioner(_loss, batch, 0.1, l2_reg=-1.0)
     with pytest.raises(ValueError, match="estimation_mode"):
