@@ -95,3 +95,24 @@ FRAMEWORK_MLPS = {
     "flax_nnx": nnx_mlp,
     "equinox": equinox_mlp,
 }
+
+
+def softmax_loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """A tanh MLP classifier (``classifier``'s parameters), softmax cross-entropy registered."""
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    logits = h @ params["w2"] + params["b2"]
+    curvax.register_softmax_cross_entropy_loss(logits, y)
+    return jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, logits.shape[-1]), axis=-1))
+
+
+def classifier(num_examples: int, dims: tuple[int, int, int] = (6, 8, 3)) -> tuple[Any, Any]:
+    """Parameters and a batch for ``softmax_loss`` (the same in every process: key 0)."""
+    d_in, d_hid, d_out = dims
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {
+        "w1": jax.random.normal(k[0], (d_in, d_hid)) / 2, "b1": jnp.zeros(d_hid),
+        "w2": jax.random.normal(k[1], (d_hid, d_out)) / 2, "b2": jnp.zeros(d_out),
+    }
+    batch = (jax.random.normal(k[2], (num_examples, d_in)), jax.random.randint(k[3], (num_examples,), 0, d_out))
+    return params, batch

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import curvax
+import models
 
 BATCH = 32
 # name -> (Optimizer arguments, step arguments)
@@ -37,24 +38,13 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def loss_fn(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
-    x, y = batch
-    h = jnp.tanh(x @ params[0]["w"] + params[0]["b"])
-    logits = h @ params[1]["w"] + params[1]["b"]
-    curvax.register_softmax_cross_entropy_loss(logits, y)
-    return jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 3), axis=-1))
+loss_fn = models.softmax_loss
 
 
 def data() -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
-    """Parameters and a batch, identical in every process."""
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    params = [
-        {"w": jax.random.normal(k[0], (6, 8)) / 3, "b": jnp.zeros(8)},
-        {"w": jax.random.normal(k[1], (8, 3)) / 3, "b": jnp.zeros(3)},
-    ]
-    x = np.asarray(jax.random.normal(k[2], (BATCH, 6)))
-    y = np.asarray(jax.random.randint(k[3], (BATCH,), 0, 3))
-    return jax.tree_util.tree_map(np.asarray, params), (x, y)
+    """Parameters and a batch, identical in every process, as NumPy arrays."""
+    params, batch = models.classifier(BATCH)
+    return jax.tree_util.tree_map(np.asarray, (params, batch))
 
 
 def train(config: str, params: Any, batch: Any, steps: int = 4) -> tuple[curvax.Optimizer, Any, Any, list[float]]:

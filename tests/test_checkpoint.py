@@ -15,14 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import curvax
+import models
 
 
-def _loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
-    x, y = batch
-    h = jnp.tanh(x @ params["w1"] + params["b1"])
-    logits = h @ params["w2"]
-    curvax.register_softmax_cross_entropy_loss(logits, y)
-    return jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 4), axis=-1))
+_loss = models.softmax_loss
 
 
 def _make() -> curvax.Optimizer:
@@ -34,9 +30,7 @@ def _make() -> curvax.Optimizer:
 
 
 def _data() -> tuple[dict[str, jax.Array], tuple[jax.Array, jax.Array]]:
-    k = jax.random.split(jax.random.PRNGKey(0), 5)
-    params = {"w1": jax.random.normal(k[0], (5, 7)) / 2, "b1": jnp.zeros(7), "w2": jax.random.normal(k[1], (7, 4)) / 2}
-    return params, (jax.random.normal(k[2], (24, 5)), jax.random.randint(k[3], (24,), 0, 4))
+    return models.classifier(24, (5, 7, 4))
 
 
 def _train(opt: curvax.Optimizer, params: Any, state: Any, batch: Any, steps: range) -> tuple[Any, Any, list]:
