@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from curvax import estimators, parallel, utils
+from curvax import estimators, gradients, parallel, utils
 from curvax.transforms import assemble_layer_data, zero_tangents
 
 logger = logging.getLogger("curvax")
@@ -327,6 +327,16 @@ class Optimizer:
         func_args = self._make_func_args(params, func_state, rng, batch)
         self._check_value_and_grad_output(func_args)
         self._estimator.finalize(func_args)
+        pj = self._estimator.processed_jaxpr
+        self._gradient_proof = gradients.prove_shared_gradient(
+            self._value_and_grad_func, self._has_aux or self._has_state, func_args, pj.program,
+            range(pj.params_offset, pj.params_offset + pj.num_params),
+        )
+        logger.info(
+            "Gradient: %s (%s).",
+            "from curvax's shared forward pass" if self._gradient_proof.shared else "from value_and_grad_func",
+            self._gradient_proof.reason,
+        )
         self._params_spec = utils.tree_spec(params)
         names = [type(b).__name__ for b in self._estimator.blocks]
         table = self._estimator.processed_jaxpr.registration_table(params, names)
@@ -335,6 +345,26 @@ class Optimizer:
         self._registration_table = table
         self._state_shardings = self._state_shardings_for(params)
         return self._jit_init(params, rng, batch, func_state)
+
+    @property
+    def shares_gradient_pass(self) -> bool:
+        """Whether the step takes the gradient from its own linearized pass (known after ``init``).
+
+        True only when that gradient is proven equal to the one ``value_and_grad_func`` returns
+        (``jax.value_and_grad`` of the traced loss, no custom derivative rule around the
+        parameters); otherwise every step calls ``value_and_grad_func`` for the loss and gradient.
+        ``gradient_source_reason`` says why.
+        """
+        if self._params_spec is None:
+            raise RuntimeError("Call `init` first.")
+        return self._gradient_proof.shared
+
+    @property
+    def gradient_source_reason(self) -> str:
+        """Why the gradient is (or is not) taken from curvax's own pass; see ``shares_gradient_pass``."""
+        if self._params_spec is None:
+            raise RuntimeError("Call `init` first.")
+        return self._gradient_proof.reason
 
     def registration_table(self) -> str:
         """The parameter → layer → block table (available after ``init``)."""
@@ -548,12 +578,18 @@ class Optimizer:
         damping = state.damping if self._adaptive_damping else self._schedule_value(self._damping_schedule, damp_arg, step)
         identity_weight = self._l2_reg + damping
 
-        # 1-2. One linearized forward pass: loss, gradient, curvature statistics.
+        # 1-2. One linearized forward pass: the curvature statistics and, where provably the same
+        # (see curvax.gradients), the loss and the gradient; otherwise those come from the user.
         (loss, deps), f_vjp, outs, losses, data_for, deps_jvp = self._linearized(func_args)
-        zero_deps = jax.tree_util.tree_map(jnp.zeros_like, deps)
-        grads_flat, _ = f_vjp((jnp.ones_like(loss), zero_deps))
-        grads = jax.tree_util.tree_unflatten(pj.params_tree, grads_flat)
-        _, new_func_state, aux = self._split_outputs(jax.tree_util.tree_unflatten(pj.out_tree, list(outs)))
+        if self.shares_gradient_pass:
+            zero_deps = jax.tree_util.tree_map(jnp.zeros_like, deps)
+            grads_flat, _ = f_vjp((jnp.ones_like(loss), zero_deps))
+            grads = jax.tree_util.tree_unflatten(pj.params_tree, grads_flat)
+            value = jax.tree_util.tree_unflatten(pj.out_tree, list(outs))
+        else:
+            value, grads = self._value_and_grad_func(*func_args)
+            loss = self._split_outputs(value)[0]
+        _, new_func_state, aux = self._split_outputs(value)
         adaptive = self._adaptive_lr or self._adaptive_momentum
 
         # The curvature's view of the batch: the same linearization, or one of a sub-batch.

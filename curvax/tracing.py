@@ -105,6 +105,9 @@ class Program:
         self.avals: dict[Key, Any] = {}
         self._counter = 0
         self._open_scans = open_scans
+        # Custom-derivative calls whose primal body was inlined (to find layers inside): the
+        # program's derivative there is the primal's, not the user's rule.
+        self.inlined_custom_derivatives: list[str] = []
         self.input_keys = [self._new_key(v.aval) for v in closed_jaxpr.jaxpr.invars]
         self.param_key_list = [self.input_keys[i] for i in param_leaf_positions]
         self.param_keys = frozenset(self.param_key_list)
@@ -147,6 +150,8 @@ class Program:
                 or (name in _compat.CUSTOM_DERIVATIVE_NAMES and any(a in self.param_keys for a in ins))
             )
             if inline and len(sub.jaxpr.invars) == len(ins):
+                if name in _compat.CUSTOM_DERIVATIVE_NAMES:
+                    self.inlined_custom_derivatives.append(name)
                 outs = self._flatten(sub, ins)
                 for v, a in zip(eqn.outvars, outs):
                     if not _compat.is_dropvar(v):
