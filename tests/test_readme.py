@@ -85,3 +85,42 @@ def test_several_devices_example_steps():
     assert np.isfinite(float(scope["stats"]["loss"]))
     assert scope["optimizer"].trace_count == 1
 
+
+
+MNIST_PRELUDE = """
+import jax
+import jax.numpy as jnp
+import curvax
+from curvax import datasets
+
+images = jnp.asarray(datasets.load_mnist_images(2000))
+labels = jnp.asarray(datasets.load_mnist_labels(2000))
+
+def loss_fn(params, batch):
+    x, y = batch
+    logits = jax.nn.relu(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
+    curvax.register_softmax_cross_entropy_loss(logits, y)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+params = {"w1": jax.random.normal(k1, (784, 128)) / 28, "b1": jnp.zeros(128),
+          "w2": jax.random.normal(k2, (128, 10)) / 11, "b2": jnp.zeros(10)}
+batch = (images[:128], labels[:128])
+"""
+
+
+def test_optax_example_values_train_an_mnist_mlp():
+    # The README's damping, learning rate and momentum, on a real problem: an MNIST MLP with
+    # minibatches. (Values that only work on a toy model once made the README diverge here.)
+    scope: dict = {}
+    exec(MNIST_PRELUDE, scope)
+    exec(example("With Optax"), scope)
+    params, opt_state = scope["params"], scope["opt_state"]
+    images, labels = scope["images"], scope["labels"]
+    losses = []
+    for i in range(150):
+        j = (i * 128) % (2000 - 128)
+        params, opt_state, loss = scope["train_step"](params, opt_state, (images[j:j + 128], labels[j:j + 128]))
+        losses.append(float(loss))
+    assert all(np.isfinite(losses)) and max(losses) <= losses[0] * 1.05
+    assert float(scope["loss_fn"](params, (images, labels))) < 0.05
