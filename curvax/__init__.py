@@ -11,10 +11,13 @@ kfac_jax`` runs kfac-jax code. Modules, in dependency order:
 * ``estimators``             -- block-diagonal and exact curvature estimators;
 * ``optimizer``, ``parallel`` -- the K-FAC optimizer; its state on several devices;
 * ``preconditioner``         -- K-FAC as an Optax gradient transformation;
-* ``laplace``                -- log-determinants, posterior samples, evidence.
+* ``laplace``                -- log-determinants, posterior samples, evidence;
+* ``kfac_api``               -- kfac-jax v0.0.8's module names (``curvax.tracer``,
+  ``curvax.loss_functions`` ...): thin namespaces over the modules above.
 """
 
 from curvax import laplace, layers, patterns, utils  # importing `layers` registers every layer kind
+from curvax import operators  # curvature as operator objects
 from curvax.blocks import (
     CurvatureBlock,
     DenseDiagonal,
@@ -63,7 +66,7 @@ from curvax.losses import (
     register_softmax_cross_entropy_loss,
     register_squared_error_loss,
 )
-from curvax.optimizer import Optimizer
+from curvax.optimizer import HAIKU_BIASES, HAIKU_BIASES_AND_NORMS, Optimizer
 from curvax.preconditioner import KFACPreconditionerState, kfac_preconditioner
 from curvax.stacked import StackedBlock
 from curvax.patterns import GraphPattern
@@ -99,8 +102,45 @@ __version__ = "0.1.0"
 
 tag_graph_matcher = patterns  # kfac-jax's module name for the pattern API
 
+# kfac-jax v0.0.8 module names (``kfac_jax.tracer``, ``kfac_jax.loss_functions`` ...):
+# thin namespaces in ``curvax.kfac_api``, also importable as ``curvax.<name>``.
+from curvax.kfac_api import (  # noqa: E402
+    curvature_blocks,
+    curvature_estimator,
+    layers_and_loss_tags,
+    loss_functions,
+    patches_second_moment,
+    tracer,
+)
+
+
+def _alias_kfac_modules() -> None:
+    """Registers ``curvax.<name>`` for each kfac-jax module name, so ``import curvax.tracer`` works."""
+    import sys
+
+    from curvax.kfac_api import MODULE_NAMES
+
+    for name in (*MODULE_NAMES, "tag_graph_matcher"):
+        sys.modules.setdefault(f"{__name__}.{name}", globals()[name])
+
+
+_alias_kfac_modules()
+
+# kfac-jax v0.0.8 top-level names for its tracer's data classes.
+LayerData = layers_and_loss_tags.LayerData
+LayerMetaData = layers_and_loss_tags.LayerMetaData
+LayerVjpData = tracer.LayerVjpData
+
+# kfac-jax v0.0.8's Optax interface (``curvax.preconditioner``; compatibility-only).
+OptaxPreconditioner = curvature_estimator.OptaxPreconditioner
+OptaxPreconditionState = curvature_estimator.OptaxPreconditionState
+
 __all__ = [
+    "kfac_ferminet_alpha",
+    "HAIKU_BIASES",
+    "HAIKU_BIASES_AND_NORMS",
     "laplace",
+    "operators",
     "layers",
     "GraphPattern",
     "Conv2DDiagonal",
@@ -182,4 +222,18 @@ __all__ = [
     "set_default_tag_to_block_ctor",
     "set_max_parallel_elements",
     "utils",
+    # kfac-jax v0.0.8 module names and data classes
+    "curvature_blocks",
+    "curvature_estimator",
+    "layers_and_loss_tags",
+    "loss_functions",
+    "patches_second_moment",
+    "tracer",
+    "LayerData",
+    "LayerMetaData",
+    "LayerVjpData",
+    "OptaxPreconditioner",
+    "OptaxPreconditionState",
 ]
+
+from curvax import kfac_ferminet_alpha  # noqa: E402  (builds on Optimizer)

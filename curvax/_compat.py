@@ -8,13 +8,19 @@ here so that a JAX upgrade breaks this file and its tests, not the library.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
+
+try:  # the axis-environment context of `jax.make_jaxpr(axis_env=...)`; see `bound_axes`
+    from jax._src import core as _jax_core
+except ImportError:  # pragma: no cover
+    _jax_core = None
 
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
@@ -139,5 +145,29 @@ def eval_equation(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
 _DEBUG_TEMPLATE = None if DebugInfo is not None else jax.make_jaxpr(lambda: ())().jaxpr.debug_info
 
 
+_BOUND_AXES: list[tuple[Any, int]] = []  # axes bound by `bound_axes` where JAX's own context is missing
+
+
 def make_jaxpr(fun: Callable[..., Any], *args: Any) -> ClosedJaxpr:
-    return jax.make_jaxpr(fun)(*args)
+    return jax.make_jaxpr(fun, axis_env=list(_BOUND_AXES) or None)(*args)
+
+
+@contextlib.contextmanager
+def bound_axes(axes: Sequence[tuple[Any, int]]) -> Iterator[None]:
+    """Traces inside see the named axes ``axes`` (``(name, size)`` pairs) as bound, as inside a ``pmap``.
+
+    For tracing a user function that calls collectives (``lax.pmean(x, name)``) outside the
+    ``pmap`` that will run it: ``jax.make_jaxpr(f, axis_env=axes)`` does this for one trace; this
+    context does it for every trace in its body (``jax.eval_shape`` included), using the context
+    manager ``jax.make_jaxpr`` itself uses.
+    """
+    extend = getattr(_jax_core, "extend_axis_env_nd", None)
+    if extend is None:  # fall back to the public `axis_env` of curvax's own traces
+        _BOUND_AXES.extend(axes)
+        try:
+            yield
+        finally:
+            del _BOUND_AXES[len(_BOUND_AXES) - len(axes):]
+        return
+    with extend(list(axes)):
+        yield

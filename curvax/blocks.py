@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 import math
 import numbers
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from curvax import linalg
+from curvax import _generations, linalg
 from curvax import tags
 
 Array = jax.Array
@@ -65,6 +66,9 @@ __all__ = [
     "DenseTNT",
     "get_default_tag_to_block_ctor",
     "set_default_tag_to_block_ctor",
+    "set_multi_default_tag_to_block_ctor",
+    "find_default_tag_to_block_ctor",
+    "construct_block",
     "get_default_eigen_decomposition_threshold",
     "set_default_eigen_decomposition_threshold",
     "get_max_parallel_elements",
@@ -142,8 +146,14 @@ class WeightedMovingAverage:
         self.value = jnp.zeros_like(self.value)
 
     def sync(self, pmap_axis_name: str | None) -> None:
-        """Averages ``value`` across devices (``lax.pmean``), in place."""
-        if pmap_axis_name is not None:
+        """Averages ``value`` across devices (``lax.pmean``), in place.
+
+        Only inside a ``pmap``/``shard_map`` binding ``pmap_axis_name``; elsewhere (e.g. a
+        plain ``jit``, where shardings reduce the statistics) it does nothing, as in kfac-jax.
+        """
+        from curvax.utils import in_pmap  # curvax.utils imports this module
+
+        if in_pmap(pmap_axis_name):
             self.value = lax.pmean(self.value, pmap_axis_name)
 
 
@@ -243,6 +253,74 @@ def _per_example(x: Array, feature_dim: int, what: str) -> Array:
 # ----------------------------------------------------------------------------------
 
 
+def estimation_data_as_dict(data: Any) -> dict[str, tuple]:
+    """Block estimation data as curvax's dict (``inputs``, ``outputs``, ``params``,
+    ``outputs_tangent``, ``params_tangent``); accepts a dict or a kfac-jax v0.0.8 ``LayerVjpData``."""
+    if isinstance(data, Mapping):
+        return data  # type: ignore[return-value]
+    if hasattr(data, "primals") and hasattr(data, "tangents"):
+        p, t = data.primals, data.tangents
+        return {
+            "inputs": tuple(p.inputs), "outputs": tuple(p.outputs), "params": tuple(p.params),
+            "outputs_tangent": tuple(t.outputs), "params_tangent": tuple(t.params),
+        }
+    raise TypeError(
+        f"`estimation_data` must be a dict of layer data or a LayerVjpData (primals/tangents), got {type(data).__name__}."
+    )
+
+
+def estimation_data_as_layer_vjp_data(data: Any) -> Any:
+    """Block estimation data as kfac-jax v0.0.8's ``LayerVjpData`` (``primals``/``tangents``)."""
+    if hasattr(data, "primals") and hasattr(data, "tangents"):
+        return data
+    if not isinstance(data, Mapping):
+        raise TypeError(
+            f"`estimation_data` must be a dict of layer data or a LayerVjpData (primals/tangents), got {type(data).__name__}."
+        )
+    from curvax.kfac_api.tracer import LayerData, LayerVjpData  # the compatibility layer imports this module
+
+    return LayerVjpData(
+        primals=LayerData(
+            inputs=tuple(data.get("inputs", ())), outputs=tuple(data.get("outputs", ())), params=tuple(data.get("params", ()))
+        ),
+        tangents=LayerData(inputs=(), outputs=tuple(data.get("outputs_tangent", ())), params=tuple(data.get("params_tangent", ()))),
+    )
+
+
+def _prepare_block_args(generation: str, named: dict) -> dict:
+    """Converts the estimation data for an override of ``generation``.
+
+    A v0.0.8 override called in the documented order gets ``identity_weight=0.0``
+    (the documented call has none; curvax's estimators pass the real one when they have it).
+    """
+    named = dict(named)
+    if generation == _generations.V008:
+        named["estimation_data"] = estimation_data_as_layer_vjp_data(named["estimation_data"])
+        named.setdefault("identity_weight", 0.0)
+    else:
+        named["estimation_data"] = estimation_data_as_dict(named["estimation_data"])
+    return named
+
+
+def construct_block(ctor: Callable[..., "CurvatureBlock"], layer_tag_eq: tags.LayerTagEqn, name: str) -> "CurvatureBlock":
+    """``ctor(layer_tag_eq, name=name)``, or ``ctor(layer_tag_eq)`` for a kfac-jax v0.0.8-style
+    constructor that takes no ``name`` (the block is then named ``layer_tag_eq.name``).
+
+    ``name`` is passed by keyword only to constructors whose signature names it (or takes
+    ``**kwargs``), so a v0.0.8 constructor's second positional parameter never receives it.
+    """
+    try:
+        sig = inspect.signature(ctor)
+    except (TypeError, ValueError):  # a builtin or C callable: the documented convention
+        return ctor(layer_tag_eq, name)
+    params = sig.parameters.values()
+    if any(p.name == "name" and p.kind is not p.VAR_POSITIONAL for p in params) or any(
+        p.kind is p.VAR_KEYWORD for p in params
+    ):
+        return ctor(layer_tag_eq, name=name)
+    return ctor(layer_tag_eq)
+
+
 class CurvatureBlock(abc.ABC):
     """Abstract curvature block: a moving-average estimate of one layer's curvature.
 
@@ -250,7 +328,23 @@ class CurvatureBlock(abc.ABC):
     ``_multiply_matpower_unscaled``, ``_eigenvalues_unscaled``, ``_update_cache``
     and ``_to_dense_unscaled``; the public methods here add validation and the
     scale ``s = fixed_scale() * state_dependent_scale(state)``.
+
+    ``update_curvature_matrix_estimate`` may be written in either kfac-jax
+    generation: documented ``(state, estimation_data, ema_old, ema_new, batch_size,
+    pmap_axis_name=None)`` with a dict of data, or v0.0.8 ``(state, estimation_data,
+    ema_old, ema_new, identity_weight, batch_size)`` with a ``LayerVjpData``. Every
+    override is wrapped (``__init_subclass__``) so that calls in either generation
+    reach it by keyword, with the data converted to the format it expects
+    (``curvax._generations``).
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        fn = cls.__dict__.get("update_curvature_matrix_estimate")
+        if fn is not None and not getattr(fn, "__isabstractmethod__", False) and not hasattr(fn, "__curvax_wrapped__"):
+            cls.update_curvature_matrix_estimate = _generations.dispatching(  # type: ignore[method-assign]
+                "block", f"{cls.__name__}.update_curvature_matrix_estimate", fn, _prepare_block_args
+            )
 
     @register_state_class
     class State:
@@ -261,7 +355,14 @@ class CurvatureBlock(abc.ABC):
         def copy(self) -> Any:
             return _copy_state(self)
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
+        if name is None:  # kfac-jax v0.0.8 constructs blocks from the equation alone
+            name = getattr(layer_tag_eq, "name", "") or type(self).__name__
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{type(self).__name__}: `name` must be a string, got {type(name).__name__} {name!r}; kfac-jax v0.0.8 "
+                "blocks take their options after the equation by keyword (e.g. `ScaledIdentity(eqn, scale=2.0)`)."
+            )
         for attr in ("primitive", "outputs", "inputs", "params"):
             if not hasattr(layer_tag_eq, attr):
                 raise TypeError(
@@ -278,10 +379,12 @@ class CurvatureBlock(abc.ABC):
 
     @property
     def name(self) -> str:
+        """The block's name, as given to the constructor."""
         return self._name
 
     @property
     def layer_tag_eq(self) -> tags.LayerTagEqn:
+        """The layer tag equation this block approximates."""
         return self._layer_tag_eq
 
     @property
@@ -296,14 +399,17 @@ class CurvatureBlock(abc.ABC):
 
     @property
     def outputs_shapes(self) -> tuple[Shape, ...]:
+        """Shapes of the tagged layer's outputs."""
         return tuple(tuple(o.shape) for o in self._layer_tag_eq.outputs)
 
     @property
     def inputs_shapes(self) -> tuple[Shape, ...]:
+        """Shapes of the tagged layer's inputs."""
         return tuple(tuple(i.shape) for i in self._layer_tag_eq.inputs)
 
     @property
     def parameters_shapes(self) -> tuple[Shape, ...]:
+        """Shapes of the block's parameters, in tag order."""
         return tuple(tuple(p.shape) for p in self._layer_tag_eq.params)
 
     @property
@@ -321,10 +427,12 @@ class CurvatureBlock(abc.ABC):
 
     @property
     def number_of_parameters(self) -> int:
+        """Number of parameter arrays of the block (e.g. 2 for a dense layer with bias)."""
         return len(self._layer_tag_eq.params)
 
     @property
     def parameters_sizes(self) -> tuple[int, ...]:
+        """Number of scalars in each parameter array, in tag order."""
         return tuple(int(math.prod(s)) for s in self.parameters_shapes)
 
     @property
@@ -566,7 +674,7 @@ class CurvatureBlock(abc.ABC):
 class ScaledIdentity(CurvatureBlock):
     """``C = scale * I``: no statistics, useful to exclude a layer from preconditioning."""
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str, scale: Numeric = 1.0):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None, scale: Numeric = 1.0):
         super().__init__(layer_tag_eq, name)
         self._scale = scale
 
@@ -831,7 +939,7 @@ class DenseDiagonal(_DenseLayerMixin, Diagonal):
     bias gradient.
     """
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
         super().__init__(layer_tag_eq, name)
         self._check_dense()
 
@@ -882,7 +990,7 @@ class Full(CurvatureBlock, abc.ABC):
 
         matrix: WeightedMovingAverage
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str, eigen_decomposition_threshold: int | None = None):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None, eigen_decomposition_threshold: int | None = None):
         super().__init__(layer_tag_eq, name)
         if eigen_decomposition_threshold is None:
             eigen_decomposition_threshold = get_default_eigen_decomposition_threshold()
@@ -890,6 +998,7 @@ class Full(CurvatureBlock, abc.ABC):
 
     @property
     def eigen_decomposition_threshold(self) -> int:
+        """Number of cached powers above which one eigendecomposition is used instead of computing each power."""
         return self._eigen_decomposition_threshold
 
     def parameters_list_to_single_vector(self, parameters_shaped_list: Sequence[Array]) -> Array:
@@ -1024,7 +1133,7 @@ class DenseFull(_DenseLayerMixin, Full):
     ``g_n`` is example n's flattened (weight, bias) gradient in parameter order.
     """
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str, eigen_decomposition_threshold: int | None = None):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None, eigen_decomposition_threshold: int | None = None):
         super().__init__(layer_tag_eq, name, eigen_decomposition_threshold)
         self._check_dense()
 
@@ -1068,11 +1177,11 @@ class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
         def factors(self) -> tuple[WeightedMovingAverage, WeightedMovingAverage]:
             return (self.inputs_factor, self.outputs_factor)
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
         super().__init__(layer_tag_eq, name)
         if self.number_of_parameters not in (1, 2):
             raise ValueError(
-                f"{name}: a Kronecker-factored block needs a weight and an optional bias, got "
+                f"{self.name}: a Kronecker-factored block needs a weight and an optional bias, got "
                 f"{self.number_of_parameters} parameters with shapes {self.parameters_shapes}."
             )
 
@@ -1274,7 +1383,7 @@ class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
     outer product of the gradient.
     """
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
         super().__init__(layer_tag_eq, name)
         self._check_dense()
 
@@ -1367,7 +1476,7 @@ class RepeatedDenseKroneckerFactored(DenseTwoKroneckerFactored):
 
         average_repeats: WeightedMovingAverage
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str, use_masking: bool = True):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None, use_masking: bool = True):
         super().__init__(layer_tag_eq, name)
         self.use_masking = bool(use_masking)
 
@@ -1596,12 +1705,12 @@ class NaiveTNT(_TwoFactorTNT):
     sampled loss are independent and zero-mean.
     """
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
         super().__init__(layer_tag_eq, name)
         shapes = self.parameters_shapes
         if len(shapes[0]) == 0 or (self.has_bias and math.prod(shapes[1]) != self._last_axis()):
             raise ValueError(
-                f"{name}: NaiveTNT needs a parameter with at least one axis and an optional second parameter with "
+                f"{self.name}: NaiveTNT needs a parameter with at least one axis and an optional second parameter with "
                 f"as many entries as the first one's last axis, got shapes {shapes}."
             )
 
@@ -1634,7 +1743,7 @@ class DenseTNT(_DenseLayerMixin, _TwoFactorTNT):
     and ``(1/B) sum_n (|x_n|^2 + 1) dy_n dy_n^T``.
     """
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
         super().__init__(layer_tag_eq, name)
         self._check_dense()
 
@@ -1664,6 +1773,7 @@ class DenseTNT(_DenseLayerMixin, _TwoFactorTNT):
 _DEFAULT_TAG_TO_BLOCK_CTOR: dict[str, Callable[..., CurvatureBlock]] = {
     "dense": DenseTwoKroneckerFactored,
     "generic": NaiveDiagonal,
+    "repeated_dense": RepeatedDenseKroneckerFactored,  # a dense-tag variant, as in kfac-jax
 }
 
 
@@ -1675,10 +1785,32 @@ def _tag_name(tag_name: Any) -> str:
 
 
 def set_default_tag_to_block_ctor(tag_name: Any, block_ctor: Callable[..., CurvatureBlock]) -> None:
-    """Makes ``block_ctor(layer_tag_eq, name)`` the default block for layers tagged ``tag_name``."""
+    """Makes ``block_ctor(layer_tag_eq, name)`` the default block for layers tagged ``tag_name``.
+
+    ``tag_name`` may also be a variant of a tag (kfac-jax: ``register_dense(...,
+    variant="repeated_dense")``); layers of that variant then get this block. A kfac-jax
+    v0.0.8-style ``block_ctor(layer_tag_eq)`` without ``name`` works too.
+    """
     if not callable(block_ctor):
         raise TypeError(f"`block_ctor` must be callable, got {type(block_ctor).__name__}.")
     _DEFAULT_TAG_TO_BLOCK_CTOR[_tag_name(tag_name)] = block_ctor
+
+
+def set_multi_default_tag_to_block_ctor(tags_to_block_ctor: Mapping[str, Callable[..., CurvatureBlock]]) -> None:
+    """``set_default_tag_to_block_ctor`` for each ``(tag name or variant, ctor)`` pair (kfac-jax v0.0.8 name)."""
+    if not isinstance(tags_to_block_ctor, Mapping):
+        raise TypeError(f"`tags_to_block_ctor` must be a mapping of tag names to block constructors, got {type(tags_to_block_ctor).__name__}.")
+    for tag_name, ctor in tags_to_block_ctor.items():
+        set_default_tag_to_block_ctor(tag_name, ctor)
+
+
+def find_default_tag_to_block_ctor(tag_name: Any) -> Callable[..., CurvatureBlock] | None:
+    """The default block constructor for a tag name or variant, or None if there is none."""
+    name = _tag_name(tag_name)
+    for key in (name, name.removesuffix("_tag")):
+        if key in _DEFAULT_TAG_TO_BLOCK_CTOR:
+            return _DEFAULT_TAG_TO_BLOCK_CTOR[key]
+    return None
 
 
 def get_default_tag_to_block_ctor(tag_name: Any) -> Callable[..., CurvatureBlock]:

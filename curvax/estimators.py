@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from curvax import blocks as blocks_lib
-from curvax import tags, utils
+from curvax import _generations, tags, utils
 from curvax.stacked import StackedBlock
 from curvax.transforms import ProcessedJaxpr, _Cache, assemble_layer_data, zero_tangents
 
@@ -125,8 +125,69 @@ def _lookup_tag(table: Mapping[str, Any], tag_name: str) -> Any:
     return None
 
 
-class CurvatureEstimator(abc.ABC):
-    """Something that estimates a curvature matrix of ``func`` and multiplies with it."""
+def _check_no_block_norm(kwargs: Mapping[str, Any]) -> None:
+    """Accepts kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block=None`` and nothing else."""
+    extra = dict(kwargs)
+    norm = extra.pop("norm_to_scale_identity_weight_per_block", None)
+    if extra:
+        raise TypeError(f"unexpected keyword arguments {sorted(extra)}.")
+    if norm is not None:
+        raise NotImplementedError(
+            f"norm_to_scale_identity_weight_per_block={norm!r} (kfac-jax v0.0.8) is not supported; pass None."
+        )
+
+
+def _canonical_dense(block: Any, state: Any) -> jax.Array:
+    """``block.to_dense_matrix(state)`` with the parameters in canonical (ascending flat index) order."""
+    m = block.to_dense_matrix(state)
+    order = tuple(block.parameters_canonical_order)
+    if order == tuple(range(len(order))):
+        return m
+    offsets = np.concatenate([[0], np.cumsum(block.parameters_sizes)]).astype(int)
+    perm = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in order])
+    return m[np.ix_(perm, perm)]
+
+
+def _prepare_estimator_args(generation: str, named: dict) -> dict:
+    """v0.0.8 overrides need an ``identity_weight``; documented calls have none (0.0 then)."""
+    if generation == _generations.V008:
+        named.setdefault("identity_weight", 0.0)
+    return named
+
+
+def _update_block(block: Any, state: Any, data: Any, ema_old: Any, ema_new: Any, batch_size: Any, pmap_axis_name: Any, identity_weight: Any) -> Any:
+    """``block.update_curvature_matrix_estimate`` with every argument named, so that a block
+    written for either kfac-jax generation gets what it asks for (``curvax._generations``)."""
+    method = type(block).update_curvature_matrix_estimate
+    if getattr(method, "__curvax_generation__", None) is None:  # not a CurvatureBlock subclass: documented order
+        return block.update_curvature_matrix_estimate(state, data, ema_old, ema_new, batch_size, pmap_axis_name)
+    return block.update_curvature_matrix_estimate(
+        _curvax_named=dict(
+            state=state, estimation_data=data, ema_old=ema_old, ema_new=ema_new, batch_size=batch_size,
+            pmap_axis_name=pmap_axis_name, identity_weight=identity_weight,
+        )
+    )
+
+
+StateType = TypeVar("StateType")
+"""An estimator's state type (``CurvatureEstimator[StateType]``, as in kfac-jax)."""
+
+
+class CurvatureEstimator(abc.ABC, Generic[StateType]):
+    """Something that estimates a curvature matrix of ``func`` and multiplies with it.
+
+    ``update_curvature_matrix_estimate`` accepts both kfac-jax argument orders
+    (documented and v0.0.8, see ``curvax._generations``): every subclass's override is
+    wrapped so that it is called by keyword in the generation its signature names.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        fn = cls.__dict__.get("update_curvature_matrix_estimate")
+        if fn is not None and not getattr(fn, "__isabstractmethod__", False) and not hasattr(fn, "__curvax_wrapped__"):
+            cls.update_curvature_matrix_estimate = _generations.dispatching(  # type: ignore[method-assign]
+                "estimator", f"{cls.__name__}.update_curvature_matrix_estimate", fn, _prepare_estimator_args
+            )
 
     def __init__(self, func: Callable[..., Any], params_index: int = 0, default_estimation_mode: str = "fisher_gradients"):
         if not callable(func):
@@ -137,6 +198,7 @@ class CurvatureEstimator(abc.ABC):
 
     @property
     def default_mat_type(self) -> str:
+        """The curvature kind of ``default_estimation_mode`` (e.g. ``"fisher"`` for ``"fisher_gradients"``)."""
         return self.default_estimation_mode.split("_")[0]
 
     @property
@@ -152,10 +214,14 @@ class CurvatureEstimator(abc.ABC):
     def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power, exact_power, use_cached, pmap_axis_name=None) -> Any:
         """``(C + identity_weight I)^power v``."""
 
-    def multiply(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None) -> Any:
+    def multiply(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None, **kwargs: Any) -> Any:
+        """``(C + identity_weight I) v``; ``kwargs`` as for ``multiply_matpower``."""
+        _check_no_block_norm(kwargs)
         return self.multiply_matpower(state, parameter_structured_vector, identity_weight, 1, exact_power, use_cached, pmap_axis_name)
 
-    def multiply_inverse(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None) -> Any:
+    def multiply_inverse(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None, **kwargs: Any) -> Any:
+        """``(C + identity_weight I)^-1 v``; ``kwargs`` as for ``multiply_matpower``."""
+        _check_no_block_norm(kwargs)
         return self.multiply_matpower(state, parameter_structured_vector, identity_weight, -1, exact_power, use_cached, pmap_axis_name)
 
     @abc.abstractmethod
@@ -215,14 +281,29 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         for site, eqn in zip(pj.layer_sites, pj.layer_tags):
             ctor = self._index_to_block_ctor.get(site.param_indices)
             if ctor is None:
-                ctor = _lookup_tag(self._layer_tag_to_block_ctor, site.tag.name)
-            if ctor is None:
-                ctor = blocks_lib.get_default_tag_to_block_ctor(site.tag.name)
+                ctor = self.block_ctor_for(eqn)
             if site.scan is not None and site.scan.mode == "stacked":
                 blocks.append(StackedBlock.from_ctor(ctor, eqn, site.name))  # one block per stacked layer
             else:
-                blocks.append(ctor(eqn, site.name))
+                blocks.append(blocks_lib.construct_block(ctor, eqn, site.name))
         self._blocks = tuple(blocks)
+
+    def block_ctor_for(self, eqn: tags.LayerTagEqn) -> Callable[..., Any]:
+        """The block constructor for a layer: by its variant (``eqn.variant``, e.g.
+        ``"repeated_dense"``), then by its tag's name; ``layer_tag_to_block_ctor`` first,
+        then the defaults (``set_default_tag_to_block_ctor``)."""
+        tag_name = eqn.primitive.name
+        variant = getattr(eqn, "variant", tag_name)
+        names = (variant, tag_name) if variant != tag_name else (tag_name,)
+        for name in names:
+            ctor = _lookup_tag(self._layer_tag_to_block_ctor, name)
+            if ctor is not None:
+                return ctor
+        for name in names:
+            ctor = blocks_lib.find_default_tag_to_block_ctor(name)
+            if ctor is not None:
+                return ctor
+        return blocks_lib.get_default_tag_to_block_ctor(tag_name)  # raises, naming the tag
 
     def _require_finalized(self) -> None:
         if self._blocks is None:
@@ -230,6 +311,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
     @property
     def processed_jaxpr(self) -> ProcessedJaxpr:
+        """The traced function the blocks were built from; raises ``RuntimeError`` before ``init``/``finalize``."""
         self._require_finalized()
         return self._pj  # type: ignore[return-value]
 
@@ -244,15 +326,18 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
     @property
     def blocks(self) -> tuple[Any, ...] | None:
+        """The curvature blocks, one per layer tag, in tag order (``None`` before ``init``/``finalize``)."""
         return self._blocks
 
     @property
     def num_blocks(self) -> int:
+        """Number of curvature blocks (requires ``init``/``finalize``)."""
         self._require_finalized()
         return len(self._blocks)  # type: ignore[arg-type]
 
     @property
     def block_dims(self) -> tuple[int, ...]:
+        """The number of scalar parameters of each block, in block order."""
         self._require_finalized()
         return tuple(b.dim for b in self._blocks)  # type: ignore[union-attr]
 
@@ -262,20 +347,24 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
     @property
     def num_params_variables(self) -> int:
+        """Number of parameter leaves of the function's parameters pytree."""
         return self.processed_jaxpr.num_params
 
     @property
     def params_structure_vector_of_indices(self) -> Any:
+        """The parameters pytree with each leaf replaced by its flat index (0, 1, ...)."""
         pj = self.processed_jaxpr
         return jax.tree_util.tree_unflatten(pj.params_tree, list(range(pj.num_params)))
 
     @property
     def indices_to_block_map(self) -> dict[tuple[int, ...], Any]:
+        """Maps each block's tuple of flat parameter indices to the block."""
         pj = self.processed_jaxpr
         return {idx: b for idx, b in zip(pj.layer_indices, self._blocks)}  # type: ignore[arg-type]
 
     @property
     def params_block_index(self) -> Any:
+        """The parameters pytree with each leaf replaced by the index of the block that owns it."""
         pj = self.processed_jaxpr
         flat = [0] * pj.num_params
         for j, idx in enumerate(pj.layer_indices):
@@ -284,6 +373,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         return jax.tree_util.tree_unflatten(pj.params_tree, flat)
 
     def params_vector_to_blocks_vectors(self, parameter_structured_vector: Any) -> tuple[tuple[jax.Array, ...], ...]:
+        """Splits a parameter-shaped pytree into one tuple of arrays per block.
+
+        Raises ``ValueError`` if its structure or a leaf's shape differs from the parameters'.
+        """
         pj = self.processed_jaxpr
         leaves, tree = jax.tree_util.tree_flatten(parameter_structured_vector)
         if tree != pj.params_tree:
@@ -298,6 +391,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         return tuple(tuple(leaves[i] for i in idx) for idx in pj.layer_indices)
 
     def blocks_vectors_to_params_vector(self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Any:
+        """Inverse of ``params_vector_to_blocks_vectors``: per-block arrays back to a parameter-shaped pytree."""
         pj = self.processed_jaxpr
         flat: list[Any] = [None] * pj.num_params
         for idx, vecs in zip(pj.layer_indices, blocks_vectors):
@@ -324,18 +418,26 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             )
         )
 
-    def update_blocks(self, state: BlockDiagonalState, layer_data: Sequence[dict], ema_old: Any, ema_new: Any, batch_size: Any, pmap_axis_name: str | None = None) -> BlockDiagonalState:
-        """Feeds per-layer estimation data to each block."""
+    def update_blocks(self, state: BlockDiagonalState, layer_data: Sequence[dict], ema_old: Any, ema_new: Any, batch_size: Any, pmap_axis_name: str | None = None, identity_weight: Any = 0.0) -> BlockDiagonalState:
+        """Feeds per-layer estimation data to each block (each device's own; ``sync`` averages them)."""
         return BlockDiagonalState(
             tuple(
-                b.update_curvature_matrix_estimate(s, d, ema_old, ema_new, batch_size, pmap_axis_name)
+                _update_block(b, s, d, ema_old, ema_new, batch_size, pmap_axis_name, identity_weight)
                 for b, s, d in zip(self._blocks, state.blocks_states, layer_data)  # type: ignore[arg-type]
             )
         )
 
     def update_curvature_matrix_estimate(
-        self, state, ema_old, ema_new, batch_size, rng, func_args, pmap_axis_name=None, estimation_mode=None
+        self, state, ema_old, ema_new, batch_size, rng, func_args, pmap_axis_name=None, estimation_mode=None,
+        identity_weight=0.0,
     ) -> BlockDiagonalState:
+        """Folds a new estimate from ``func_args`` into the moving average.
+
+        Also callable with kfac-jax v0.0.8's argument order ``(state, ema_old, ema_new,
+        identity_weight, batch_size, rng, func_args, estimation_mode, pmap_axis_name)``
+        (see ``curvax._generations``); ``identity_weight`` reaches blocks whose update
+        takes one (v0.0.8-style blocks) and is otherwise unused.
+        """
         pj = self.processed_jaxpr_for(func_args)
         mode = check_estimation_mode(estimation_mode or self.default_estimation_mode)
         p, o = pj.split_args(func_args)  # type: ignore[union-attr]
@@ -347,22 +449,26 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             dp, de = zero_tangents(p, eps) if cot is None else vjp((cot, ()))
             return assemble_layer_data(pj, p, layer_data, dp, de)  # type: ignore[arg-type]
 
-        return self._update_from_cotangents(state, losses, data_for, rng, mode, ema_old, ema_new, batch_size, pmap_axis_name)
+        return self._update_from_cotangents(
+            state, losses, data_for, rng, mode, ema_old, ema_new, batch_size, pmap_axis_name, identity_weight
+        )
 
-    def _update_from_cotangents(self, state, losses, data_for, rng, mode, ema_old, ema_new, batch_size, pmap_axis_name):
+    def _update_from_cotangents(self, state, losses, data_for, rng, mode, ema_old, ema_new, batch_size, pmap_axis_name, identity_weight=0.0):
         """Updates every block; ``data_for(cotangents)`` gives per-layer data (``None``: forward only)."""
         if mode == "forward_only":
-            new = self.update_blocks(state, data_for(None), ema_old, ema_new, batch_size, pmap_axis_name)
+            new = self.update_blocks(state, data_for(None), ema_old, ema_new, batch_size, pmap_axis_name, identity_weight)
             return BlockDiagonalState(tuple(self._forward_only(b, s) for b, s in zip(self._blocks, new.blocks_states)))  # type: ignore[arg-type]
         if mode.endswith("_exact"):
             total, cot_fn = exact_cotangent_fn(losses, mode)
 
             def body(k: jax.Array, st: BlockDiagonalState) -> BlockDiagonalState:
                 old = jnp.where(k == 0, ema_old, 1.0)
-                return self.update_blocks(st, data_for(cot_fn(k)), old, ema_new / total, batch_size, pmap_axis_name)
+                return self.update_blocks(st, data_for(cot_fn(k)), old, ema_new / total, batch_size, pmap_axis_name, identity_weight)
 
             return jax.lax.fori_loop(0, total, body, state)
-        return self.update_blocks(state, data_for(loss_cotangents(losses, rng, mode)), ema_old, ema_new, batch_size, pmap_axis_name)
+        return self.update_blocks(
+            state, data_for(loss_cotangents(losses, rng, mode)), ema_old, ema_new, batch_size, pmap_axis_name, identity_weight
+        )
 
     @staticmethod
     def _forward_only(block: Any, state: Any) -> Any:
@@ -381,7 +487,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             "or another estimation mode."
         )
 
-    def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues, pmap_axis_name=None) -> BlockDiagonalState:
+    def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues, pmap_axis_name=None, **kwargs: Any) -> BlockDiagonalState:
+        """Refreshes each block's cache. kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block``
+        keyword is accepted only as None (not supported)."""
+        _check_no_block_norm(kwargs)
         self._require_finalized()
         weights = self._per_block(identity_weight, "identity_weight")
         return BlockDiagonalState(
@@ -393,7 +502,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
     # --- products -----------------------------------------------------------------------
 
-    def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power, exact_power, use_cached, pmap_axis_name=None) -> Any:
+    def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power, exact_power, use_cached, pmap_axis_name=None, **kwargs: Any) -> Any:
+        """``(C + identity_weight I)^power v``, block by block. kfac-jax v0.0.8's
+        ``norm_to_scale_identity_weight_per_block`` keyword is accepted only as None."""
+        _check_no_block_norm(kwargs)
         self._require_finalized()
         vecs = self.params_vector_to_blocks_vectors(parameter_structured_vector)
         weights = self._per_block(identity_weight, "identity_weight")
@@ -404,8 +516,20 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         return self.blocks_vectors_to_params_vector(out)
 
     def block_eigenvalues(self, state, use_cached) -> tuple[jax.Array, ...]:
+        """Each block's eigenvalues; a Kronecker block's as the ``(input_size, output_size)``
+        outer product of its factors' eigenvalues (kfac-jax's shape; ``block.eigenvalues``
+        gives the same numbers flattened)."""
         self._require_finalized()
-        return tuple(b.eigenvalues(s, use_cached) for b, s in zip(self._blocks, state.blocks_states))  # type: ignore[arg-type]
+        out = []
+        for b, s in zip(self._blocks, state.blocks_states):  # type: ignore[arg-type]
+            e = b.eigenvalues(s, use_cached)
+            if (
+                isinstance(b, blocks_lib.TwoKroneckerFactored)
+                and type(b)._eigenvalues_unscaled is blocks_lib.TwoKroneckerFactored._eigenvalues_unscaled
+            ):
+                e = e.reshape(b.input_size(), b.output_size())
+            out.append(e)
+        return tuple(out)
 
     def eigenvalues(self, state, use_cached) -> jax.Array:
         return jnp.concatenate([jnp.ravel(e) for e in self.block_eigenvalues(state, use_cached)])
@@ -421,6 +545,39 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             b.inverse_diagonal(s, w) for b, s, w in zip(self._blocks, state.blocks_states, weights)  # type: ignore[arg-type]
         )
         return self.blocks_vectors_to_params_vector(out)
+
+    def sync(self, state: BlockDiagonalState, pmap_axis_name: str | None) -> BlockDiagonalState:
+        """Averages every block's statistics over the devices of a ``pmap`` over ``pmap_axis_name``.
+
+        Outside such a ``pmap`` (or with ``None``) the state is returned unchanged, as in
+        kfac-jax v0.0.8 (whose tests call it under a plain ``jit``).
+        """
+        self._require_finalized()
+        if not utils.in_pmap(pmap_axis_name):
+            return state
+        return dataclasses.replace(
+            state,
+            blocks_states=tuple(b.sync(s, pmap_axis_name) for b, s in zip(self._blocks, state.blocks_states)),  # type: ignore[arg-type]
+        )
+
+    @property
+    def param_order(self) -> tuple[int, ...]:
+        """Flat parameter indices (pytree leaf order): block by block, ascending within a block.
+
+        kfac-jax v0.0.8 name: ``ExplicitExactCurvature(param_order=...)`` orders its dense
+        matrix this way, so its diagonal blocks line up with ``to_diagonal_block_dense_matrix``.
+        """
+        return tuple(int(i) for idx in self.processed_jaxpr.layer_indices for i in sorted(idx))
+
+    def to_diagonal_block_dense_matrix(self, state: BlockDiagonalState) -> tuple[jax.Array, ...]:
+        """Each block's dense matrix, in block order (kfac-jax v0.0.8 name).
+
+        As in kfac-jax, a block's parameters appear in their canonical order (ascending
+        flat index, ``block.parameters_canonical_order``), not in the tag's order that
+        ``block.to_dense_matrix`` uses.
+        """
+        self._require_finalized()
+        return tuple(_canonical_dense(b, s) for b, s in zip(self._blocks, state.blocks_states))  # type: ignore[arg-type]
 
     def to_dense_matrix(self, state) -> jax.Array:
         """The block-diagonal matrix in the flat parameter order (leaves in pytree order)."""
@@ -455,14 +612,45 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         layer_tag_to_block_ctor: Mapping[str, Any] | None = None,
         index_to_block_ctor: Mapping[tuple[int, ...], Any] | None = None,
         auto_register_tags: bool = True,
+        param_order: Sequence[int] | None = None,
         **auto_register_kwargs: Any,
     ):
         super().__init__(func, params_index, default_estimation_mode, auto_register_tags=False)
         self._batch_index = batch_index
         self._full_ctor = (layer_tag_to_block_ctor or {}).get("generic", blocks_lib.NaiveFull)
+        if param_order is not None:
+            param_order = tuple(int(i) for i in param_order)
+            if sorted(param_order) != list(range(len(param_order))):
+                raise ValueError(f"`param_order` must be a permutation of 0..n-1 (flat parameter indices), got {param_order}.")
+        self._param_order = param_order
+
+    @property
+    def param_order(self) -> tuple[int, ...]:
+        """The order of the parameters (flat leaf indices) in ``to_dense_matrix`` (kfac-jax v0.0.8).
+
+        Set with the ``param_order`` argument (e.g. another estimator's ``param_order``);
+        the default is the pytree leaf order.
+        """
+        n = self.processed_jaxpr.num_params
+        order = self._param_order if self._param_order is not None else tuple(range(n))
+        if len(order) != n:
+            raise ValueError(f"`param_order` has {len(order)} entries but the function has {n} parameter leaves.")
+        return order
+
+    def _dense_permutation(self) -> np.ndarray:
+        """Element positions of the leaf-ordered dense matrix, in ``param_order``."""
+        pj = self.processed_jaxpr
+        sizes = [int(np.prod(pj.program.avals[pj.program.input_keys[pj.params_offset + i]].shape)) for i in range(pj.num_params)]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        return np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in self.param_order] or [np.zeros(0, int)])
+
+    def to_diagonal_block_dense_matrix(self, state: BlockDiagonalState) -> tuple[jax.Array, ...]:
+        """The one dense matrix (in ``param_order``), as a 1-tuple (kfac-jax v0.0.8 name)."""
+        return (self.to_dense_matrix(state),)
 
     @property
     def batch_index(self) -> int:
+        """Position in ``func_args`` of the batch that is evaluated one example at a time."""
         return self._batch_index
 
     def finalize(self, func_args: Sequence[Any]) -> None:
@@ -480,6 +668,7 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         self._all_indices = (tuple(range(pj.num_params)),)
 
     def params_vector_to_blocks_vectors(self, parameter_structured_vector: Any) -> tuple[tuple[jax.Array, ...], ...]:
+        """A parameter-shaped pytree as a 1-tuple holding all its leaves (the single block's vector)."""
         self._require_finalized()
         leaves, tree = jax.tree_util.tree_flatten(parameter_structured_vector)
         if tree != self._pj.params_tree:  # type: ignore[union-attr]
@@ -487,20 +676,28 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         return (tuple(leaves),)
 
     def blocks_vectors_to_params_vector(self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Any:
+        """Inverse of ``params_vector_to_blocks_vectors``: the single block's arrays as a parameter-shaped pytree."""
         return jax.tree_util.tree_unflatten(self._pj.params_tree, list(blocks_vectors[0]))  # type: ignore[union-attr]
 
     @property
     def indices_to_block_map(self) -> dict[tuple[int, ...], Any]:
+        """Maps the tuple of all flat parameter indices to the single full block."""
         return {self._all_indices[0]: self._blocks[0]}  # type: ignore[index]
 
     @property
     def params_block_index(self) -> Any:
+        """The parameters pytree with every leaf set to ``0`` (all belong to the single block)."""
         pj = self.processed_jaxpr
         return jax.tree_util.tree_unflatten(pj.params_tree, [0] * pj.num_params)
 
     def to_dense_matrix(self, state) -> jax.Array:
+        """The ``dim x dim`` curvature, parameters in ``param_order`` (default: pytree leaf order)."""
         self._require_finalized()
-        return self._blocks[0].to_dense_matrix(state.blocks_states[0])  # type: ignore[index]
+        m = self._blocks[0].to_dense_matrix(state.blocks_states[0])  # type: ignore[index]
+        if self._param_order is None:
+            return m
+        perm = self._dense_permutation()
+        return m[np.ix_(perm, perm)]
 
     def update_curvature_matrix_estimate(
         self, state, ema_old, ema_new, batch_size, rng, func_args, pmap_axis_name=None, estimation_mode=None
@@ -510,7 +707,7 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         func_args = tuple(func_args)
         batch = func_args[self._batch_index]
         n = utils.default_batch_size_extractor(batch)
-        pj = self._pj
+        pj = self._example_jaxpr(func_args)
 
         def one(i: jax.Array, st: BlockDiagonalState) -> BlockDiagonalState:
             example = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1, 0), batch)
@@ -527,6 +724,26 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
             return self._update_from_cotangents(st, losses, data_for, jax.random.fold_in(rng, i), mode, old, ema_new / n, 1, pmap_axis_name)
 
         return jax.lax.fori_loop(0, n, one, state)
+
+    def _example_jaxpr(self, func_args: tuple) -> ProcessedJaxpr:
+        """The function traced on a batch of one example, which the per-example loop evaluates.
+
+        The trace of the full batch cannot be re-run on one example: frameworks bake the
+        batch size into the traced equations (Haiku broadcasts a dense bias to ``(B, out)``).
+        """
+        batch = func_args[self._batch_index]
+        one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((1, *jnp.shape(x)[1:]), jnp.result_type(x)), batch)
+        args = func_args[: self._batch_index] + (one,) + func_args[self._batch_index + 1 :]
+        try:
+            return self._cache.get(args)
+        except Exception as e:
+            shapes = [tuple(jnp.shape(x)) for x in jax.tree_util.tree_leaves(batch)]
+            raise ValueError(
+                f"ExplicitExactCurvature evaluates the function one example at a time, but tracing it on a "
+                f"batch of one example (func_args[{self._batch_index}] with leaf shapes {shapes} cut to a "
+                f"leading size of 1) failed ({type(e).__name__}: {e}). Does the model assume a fixed batch "
+                "size (e.g. reshape(16, -1))? Use reshape(x.shape[0], -1)."
+            ) from e
 
 
 class ImplicitExactCurvature:
@@ -550,12 +767,15 @@ class ImplicitExactCurvature:
         self._hvp = transforms.loss_tags_hvp(func, params_index)
 
     def batch_size(self, func_args: Sequence[Any]) -> Any:
+        """The batch size ``B``: ``batch_size_extractor`` applied to the last of ``func_args``."""
         return self._batch_size_extractor(func_args[-1])
 
     def multiply_jacobian(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> tuple:
+        """``J v``: the Jacobian-vector product of the registered losses' inputs, one tuple per loss."""
         return self._jvp(func_args, parameter_structured_vector)[1]
 
     def multiply_jacobian_transpose(self, func_args: Sequence[Any], loss_input_vectors: Sequence[Sequence[Any]]) -> Any:
+        """``J^T u``: maps per-loss input vectors (one tuple per loss) to a parameter-shaped pytree."""
         return self._vjp(func_args)[1](loss_input_vectors)
 
     def _scaled(self, func_args: Sequence[Any], tree: Any, power: float) -> Any:
@@ -568,12 +788,15 @@ class ImplicitExactCurvature:
         return self._scaled(func_args, self.multiply_jacobian_transpose(func_args, mv), 1.0)
 
     def multiply_fisher(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> Any:
+        """``F v = J^T F_L J v / B``, the Fisher-vector product of the mean loss."""
         return self._multiply(func_args, parameter_structured_vector, "fisher")
 
     def multiply_ggn(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> Any:
+        """``G v = J^T G_L J v / B``, the Gauss-Newton-vector product of the mean loss."""
         return self._multiply(func_args, parameter_structured_vector, "ggn")
 
     def multiply_hessian(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> Any:
+        """The Hessian-vector product of the registered losses' total, divided by ``B``."""
         hv, _ = self._hvp(func_args, parameter_structured_vector)
         return self._scaled(func_args, hv, 1.0)
 
@@ -590,23 +813,29 @@ class ImplicitExactCurvature:
         return self._scaled(func_args, self.multiply_jacobian_transpose(func_args, vecs), 0.5)
 
     def multiply_fisher_factor_transpose(self, func_args, parameter_structured_vector) -> tuple:
+        """``L^T J v / sqrt(B)``, one inner vector per loss, where ``F_L = L L^T`` is the loss Fisher's factor."""
         return self._factor_transpose(func_args, parameter_structured_vector, "fisher")
 
     def multiply_ggn_factor_transpose(self, func_args, parameter_structured_vector) -> tuple:
+        """``L^T J v / sqrt(B)``, one inner vector per loss, where ``G_L = L L^T`` is the loss GGN's factor."""
         return self._factor_transpose(func_args, parameter_structured_vector, "ggn")
 
     def multiply_fisher_factor(self, func_args, loss_inner_vectors) -> Any:
+        """``J^T L u / sqrt(B)``: per-loss inner vectors ``u`` to a parameter-shaped pytree (``F_L = L L^T``)."""
         return self._factor(func_args, loss_inner_vectors, "fisher")
 
     def multiply_ggn_factor(self, func_args, loss_inner_vectors) -> Any:
+        """``J^T L u / sqrt(B)``: per-loss inner vectors ``u`` to a parameter-shaped pytree (``G_L = L L^T``)."""
         return self._factor(func_args, loss_inner_vectors, "ggn")
 
     def get_loss_inner_vector_shapes_and_batch_size(self, func_args, mode: str) -> tuple[tuple, Any]:
+        """The shape of each loss's factor inner vector for ``mode`` (``"fisher"`` or ``"ggn"``), and ``B``."""
         if mode not in ("fisher", "ggn"):
             raise ValueError(f"`mode` must be 'fisher' or 'ggn', got {mode!r}.")
         losses, _ = self._vjp(func_args)
         return tuple(tuple(getattr(l, f"{mode}_factor_inner_shape")) for l in losses), self.batch_size(func_args)
 
     def get_loss_input_shapes_and_batch_size(self, func_args) -> tuple[tuple, Any]:
+        """The shapes of each loss's parameter-dependent inputs (one tuple per loss), and ``B``."""
         losses, _ = self._vjp(func_args)
         return tuple(tuple(tuple(x.shape) for x in l.parameter_dependants) for l in losses), self.batch_size(func_args)

@@ -10,8 +10,9 @@ both are JAX's derivative of the same equations:
 
 1. ``value_and_grad_func`` is ``jax.value_and_grad(f)``: it carries ``__wrapped__ = f``, and its
    program equals the program of ``jax.value_and_grad(f, has_aux=...)`` on the same arguments;
-2. the program curvax differentiates inlined no custom-derivative call (their rules are kept
-   when they are evaluated as calls; inlined, only the primal function is left);
+   ``f``'s own program is traced too (its custom-derivative calls are still calls there);
+2. neither that program nor the program curvax differentiates inlines a custom-derivative call
+   (their rules are kept when they are evaluated as calls; inlined, only the primal is left);
 3. the equations the loss depends on in that program are, one by one, the equations of ``f``.
 
 Otherwise the optimizer calls ``value_and_grad_func`` for the loss and the gradient and uses its
@@ -62,10 +63,14 @@ def prove_shared_gradient(
         return GradientProof(False, f"jax.value_and_grad of its __wrapped__ function could not be traced ({type(e).__name__})")
     if str(user) != str(ref) or not _same_consts(user.consts, ref.consts):
         return GradientProof(False, "value_and_grad_func's program differs from jax.value_and_grad(value_and_grad_func.__wrapped__)")
-    if program.inlined_custom_derivatives:
-        names = ", ".join(sorted(set(program.inlined_custom_derivatives)))
-        return GradientProof(False, f"the loss defines its own derivative ({names}) around the parameters")
     theirs = Program(value, params_positions)
+    # A custom rule around the parameters in either program: curvax's copy may hold only the rule's
+    # primal computation (JAX's linearization replaces the call by it), which the comparison below
+    # would find equal to the inlined primal of ``f`` although the user's gradient is the rule's.
+    inlined = program.inlined_custom_derivatives + theirs.inlined_custom_derivatives
+    if inlined:
+        names = ", ".join(sorted(set(inlined)))
+        return GradientProof(False, f"the loss defines its own derivative ({names}) around the parameters")
     if not program.output_atoms or not theirs.output_atoms:
         return GradientProof(False, "the value function has no outputs")
     if _canonical(program, program.output_atoms[0]) != _canonical(theirs, theirs.output_atoms[0]):

@@ -148,7 +148,7 @@ class _DiagonalNormal:
 
 
 class _Bernoulli:
-    """Independent Bernoullis given by logits; ``log_prob`` sums over the last axis."""
+    """Independent Bernoullis given by logits; ``log_prob`` is elementwise (as kfac-jax's, one value per logit)."""
 
     def __init__(self, logits: Array):
         self.logits = logits
@@ -156,7 +156,7 @@ class _Bernoulli:
     def log_prob(self, value: Array) -> Array:
         y = jnp.asarray(value).astype(self.logits.dtype)
         z = self.logits
-        return jnp.sum(y * jax.nn.log_sigmoid(z) + (1.0 - y) * jax.nn.log_sigmoid(-z), axis=-1)
+        return y * jax.nn.log_sigmoid(z) + (1.0 - y) * jax.nn.log_sigmoid(-z)
 
     def sample(self, seed: Array) -> Array:
         return jax.random.bernoulli(seed, jax.nn.sigmoid(self.logits)).astype(self.logits.dtype)
@@ -234,6 +234,7 @@ class LossFunction(abc.ABC):
 
     @property
     def num_parameter_dependants(self) -> int:
+        """Number of parameter-dependent inputs of the loss."""
         return len(self.parameter_dependants)
 
     @property
@@ -243,6 +244,7 @@ class LossFunction(abc.ABC):
 
     @property
     def num_parameter_independants(self) -> int:
+        """Number of parameter-independent inputs of the loss (e.g. targets)."""
         return len(self.parameter_independants)
 
     @property
@@ -493,14 +495,17 @@ class NormalMeanNegativeLogProbLoss(DistributionNegativeLogProbLoss, NaturalPara
 
     @property
     def mean(self) -> Array:
+        """The predicted mean."""
         return self._mean
 
     @property
     def variance(self) -> Array:
+        """The fixed variance of the Gaussian."""
         return self._variance
 
     @property
     def normalize_log_prob(self) -> Numeric:
+        """Whether the log-probability includes its normalising constant."""
         return self._normalize_log_prob
 
     def _var(self) -> Array:
@@ -550,10 +555,12 @@ class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
 
     @property
     def mean(self) -> Array:
+        """The predicted mean."""
         return self._mean
 
     @property
     def variance(self) -> Array:
+        """The predicted variance."""
         return self._variance
 
     @property
@@ -631,6 +638,7 @@ class MultiBernoulliNegativeLogProbLoss(DistributionNegativeLogProbLoss, Natural
 
     @property
     def logits(self) -> Array:
+        """The logits of the independent Bernoulli outputs."""
         return self._logits
 
     @property
@@ -690,10 +698,12 @@ class CategoricalLogitsNegativeLogProbLoss(DistributionNegativeLogProbLoss, Natu
 
     @property
     def logits(self) -> Array:
+        """The logits, shape ``(batch, num_classes)``."""
         return self._logits
 
     @property
     def mask(self) -> Array | None:
+        """The optional per-example mask, or ``None``."""
         return self._mask
 
     @property

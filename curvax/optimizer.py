@@ -29,10 +29,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from curvax import estimators, gradients, parallel, utils
+from curvax import _compat, estimators, gradients, parallel, utils
 from curvax.transforms import assemble_layer_data, zero_tangents
 
 logger = logging.getLogger("curvax")
+
+
+# kfac-jax 0.0.8's name for the argument tuples of the value function (compatibility only):
+# ``(params, batch)``, ``(params, func_state, batch)``, ``(params, rng, batch)`` or all four.
+FuncArgsVariants = tuple
+# kfac-jax 0.0.8's example values of `regularized_parameters_path_exclusions` (compatibility only).
+HAIKU_BIASES = "b,bias"
+HAIKU_BIASES_AND_NORMS = "b,bias,scale,offset"
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +85,13 @@ class Optimizer:
       ``v^T C w`` of the adaptive learning rate and momentum. The gradient, the loss and the
       damping's reduction ratio keep the whole batch. The curvature work shrinks with the
       fraction, at the price of a separate forward pass on the sub-batch.
+
+    ``multi_device=True`` is kfac-jax's ``pmap`` mode, kept for code written against it (on
+    several devices ``jax.sharding`` needs no special mode: see ``curvax.parallel``). Every array
+    passed to ``init``/``step`` carries a leading axis of ``jax.local_device_count()``; the step
+    runs under ``jax.pmap(axis_name=pmap_axis_name)``, averages the loss, gradient, aux, curvature
+    statistics, exact quadratic model and the damping's new loss over that axis, and returns
+    stats with the axis. ``debug`` does not apply in this mode (the step is always pmapped).
     """
 
     State = OptimizerState
@@ -126,16 +141,28 @@ class Optimizer:
         distributed_inverses: bool = True,
         curvature_update_period: int = 1,
         curvature_batch_fraction: float = 1.0,
+        *,
+        value_func_for_estimator: Callable[..., Any] | None = None,
+        precon_damping_mult: Any = 1.0,
+        precon_damping_schedule: Callable[[Any], Any] | None = None,
+        use_automatic_registration: bool = True,
+        regularized_parameters_path_exclusions: str = "",
+        use_initial_damping_calibration: bool = False,
+        use_step_rejection: bool = False,
+        reject_damping_increase_factor: Any = 1.0,
+        custom_estimator_ctor: Callable[..., Any] | None = None,
+        invalid_metric_value: Any = math.nan,
+        include_registered_loss_in_stats: bool = False,
+        num_estimator_samples: int = 1,
+        should_vmap_estimator_samples: bool = False,
+        norm_to_scale_identity_weight_per_block: str | None = None,
+        precon_power: Any = -1.0,
+        exact_quad_model_matrix_type: str | None = None,
     ):
         if not callable(value_and_grad_func):
             raise TypeError(f"`value_and_grad_func` must be callable, got {type(value_and_grad_func).__name__}.")
-        if multi_device:
-            raise NotImplementedError(
-                "multi_device=True (kfac-jax's pmap mode, inputs with a leading device axis) is not supported: "
-                "curvax runs on several devices and hosts through jax.sharding. Keep multi_device=False, "
-                "replicate the parameters and shard the batch over a mesh axis, e.g. jax.device_put(batch, "
-                "NamedSharding(Mesh(jax.devices(), ('data',)), PartitionSpec('data'))); see README, Several devices."
-            )
+        if multi_device and (not isinstance(pmap_axis_name, str) or not pmap_axis_name):
+            raise TypeError(f"multi_device=True needs `pmap_axis_name`, a non-empty string; got {pmap_axis_name!r}.")
         if use_adaptive_learning_rate and learning_rate_schedule is not None:
             raise ValueError("Pass either use_adaptive_learning_rate=True or a learning_rate_schedule, not both.")
         if use_adaptive_momentum and momentum_schedule is not None:
@@ -163,6 +190,38 @@ class Optimizer:
             raise ValueError("`damping_lower_threshold` must not exceed `damping_upper_threshold`.")
         estimators.check_estimation_mode(estimation_mode)
         auto_kwargs = dict(auto_register_kwargs or {})
+        # kfac-jax 0.0.8's constructor arguments that curvax does not implement: their defaults
+        # are accepted, anything else is refused rather than silently ignored.
+        for name, given, default in (
+            ("regularized_parameters_path_exclusions", regularized_parameters_path_exclusions, ""),
+            ("use_initial_damping_calibration", use_initial_damping_calibration, False),
+            ("use_step_rejection", use_step_rejection, False),
+            ("reject_damping_increase_factor", reject_damping_increase_factor, 1.0),
+            ("custom_estimator_ctor", custom_estimator_ctor, None),
+            ("include_registered_loss_in_stats", include_registered_loss_in_stats, False),
+            ("num_estimator_samples", num_estimator_samples, 1),
+            ("should_vmap_estimator_samples", should_vmap_estimator_samples, False),
+            ("norm_to_scale_identity_weight_per_block", norm_to_scale_identity_weight_per_block, None),
+            ("precon_power", precon_power, -1.0),
+            ("exact_quad_model_matrix_type", exact_quad_model_matrix_type, None),
+        ):
+            if not (given is default or (default is not None and given == default)):
+                raise NotImplementedError(
+                    f"`{name}`={given!r} (a kfac-jax 0.0.8 argument) is not implemented by curvax; only its "
+                    f"default {default!r} is accepted."
+                )
+        if not (isinstance(invalid_metric_value, float) and math.isnan(invalid_metric_value)):
+            raise NotImplementedError("`invalid_metric_value` other than nan (kfac-jax 0.0.8) is not implemented by curvax.")
+        if value_func_for_estimator is not None and not callable(value_func_for_estimator):
+            raise TypeError(f"`value_func_for_estimator` must be callable, got {type(value_func_for_estimator).__name__}.")
+        if precon_damping_schedule is not None and not callable(precon_damping_schedule):
+            raise TypeError(f"`precon_damping_schedule` must be callable, got {type(precon_damping_schedule).__name__}.")
+        utils.check_number(precon_damping_mult, "precon_damping_mult", 0.0, math.inf, low_open=True)
+        if not use_automatic_registration:
+            auto_kwargs.setdefault("auto_register_tags", False)
+        self._precon_damping_mult = float(precon_damping_mult)
+        self._precon_damping_schedule = precon_damping_schedule
+        self._value_func_for_estimator = value_func_for_estimator
 
         self._value_and_grad_func = value_and_grad_func
         self._l2_reg = float(l2_reg)
@@ -204,7 +263,7 @@ class Optimizer:
         self.trace_count = 0  # how many times the step function was traced (compiled)
 
         self._estimator = estimators.BlockDiagonalCurvature(
-            self._value_func,
+            value_func_for_estimator if value_func_for_estimator is not None else self._value_func,
             params_index=0,
             default_estimation_mode=estimation_mode,
             layer_tag_to_block_ctor=layer_tag_to_block_ctor,
@@ -214,10 +273,21 @@ class Optimizer:
         )
         self._params_spec: Any = None
         self._state_shardings: OptimizerState | None = None
-        wrap = (lambda f, **kw: f) if self._debug else jax.jit
-        self._jit_step = wrap(self._step_impl)
-        self._jit_burnin = wrap(self._burnin_impl)
-        self._jit_init = wrap(self._init_impl)
+        # kfac-jax's pmap mode: every input has a leading device axis and every batch quantity is
+        # averaged over it (`self._axis`, None otherwise). As in kfac-jax, the step donates the
+        # parameters, the state and func_state, and the burn-in its state.
+        self._multi_device = bool(multi_device)
+        self._axis: str | None = pmap_axis_name if self._multi_device else None
+        if self._multi_device:
+            pmap = lambda f, donate=(): jax.pmap(f, axis_name=pmap_axis_name, donate_argnums=donate)
+            self._jit_step = pmap(self._step_impl, (0, 1, 4))
+            self._jit_burnin = pmap(self._burnin_impl, (1,))
+            self._jit_init = pmap(self._init_impl)
+        else:
+            wrap = (lambda f, **kw: f) if self._debug else jax.jit
+            self._jit_step = wrap(self._step_impl)
+            self._jit_burnin = wrap(self._burnin_impl)
+            self._jit_init = wrap(self._init_impl)
         self._forbid = bool(forbid_setting_attributes_after_finalize)
         self._modifiable = frozenset(modifiable_attribute_exceptions)
         self._finalized = True
@@ -233,22 +303,41 @@ class Optimizer:
     # --- documented properties ---------------------------------------------------------------
 
     @property
+    def multi_device(self) -> bool:
+        """Whether the optimizer runs kfac-jax's pmap mode (kfac-jax compatibility)."""
+        return self._multi_device
+
+    @property
+    def pmap_axis_name(self) -> str | None:
+        """The pmap axis name with ``multi_device``, else None (kfac-jax compatibility)."""
+        return self._axis
+
+    def get_first(self, obj: Any) -> Any:
+        """The first device's slice of ``obj`` with ``multi_device``, else ``obj`` (kfac-jax compatibility)."""
+        return utils.get_first(obj) if self._multi_device else obj
+
+    @property
     def num_burnin_steps(self) -> int:
+        """Number of curvature-estimation (burn-in) steps run at step 0, before the first update."""
         return self._num_burnin_steps
 
     @property
     def l2_reg(self) -> jax.Array:
+        """The L2 regularisation coefficient, as an array."""
         return jnp.asarray(self._l2_reg)
 
     @property
     def estimator(self) -> estimators.BlockDiagonalCurvature:
+        """The block-diagonal curvature estimator used as preconditioner."""
         return self._estimator
 
     @property
     def damping_decay_factor(self) -> float:
+        """Factor applied to the damping per adaptive-damping update: ``decay ** interval``."""
         return self._damping_decay**self._damping_interval
 
     def should_update_damping(self, state: OptimizerState) -> jax.Array:
+        """Whether this step adapts the damping: adaptive damping is on and the next step counter is a multiple of the interval."""
         return self._adaptive_damping & ((state.step_counter + 1) % self._damping_interval == 0)
 
     # --- the user function ---------------------------------------------------------------------
@@ -317,7 +406,26 @@ class Optimizer:
     # --- init ------------------------------------------------------------------------------------
 
     def init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any = None) -> OptimizerState:
-        """Builds the curvature blocks from one example batch and returns the initial state."""
+        """Builds the curvature blocks from one example batch and returns the initial state.
+
+        With ``multi_device=True`` (kfac-jax's pmap mode) every array carries a leading axis of
+        ``jax.local_device_count()``: ``params``, ``rng`` and ``func_state`` alike on every device,
+        ``batch`` split over them; the state comes back with that axis.
+        """
+        if self._multi_device:
+            n = jax.local_device_count()
+            parallel.check_device_axis({"params": params, "rng": rng, "batch": batch, "func_state": func_state}, n)
+            # Trace the loss on one device's slice, with the device axis bound: it may call collectives.
+            # The slice is taken off the pmap's mesh, so that the trace fits inside the pmapped step.
+            with _compat.bound_axes([(self._pmap_axis_name, n)]):
+                self._prepare(*parallel.unplaced_slice((params, rng, batch, func_state)))
+            self._state_shardings = None  # pmap places the state itself
+            return self._jit_init(params, rng, batch, func_state)
+        self._prepare(params, rng, batch, func_state)
+        return self._jit_init(params, rng, batch, func_state)
+
+    def _prepare(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> None:
+        """The host-side part of ``init``: checks the arguments, traces the loss, builds the blocks."""
         self._check_params_dtype(params)
         utils.check_batch_leading_sizes(batch)
         if self._has_state and func_state is None:
@@ -344,7 +452,6 @@ class Optimizer:
         logger.log(logging.WARNING if has_generic else logging.INFO, "\n%s", table)
         self._registration_table = table
         self._state_shardings = self._state_shardings_for(params)
-        return self._jit_init(params, rng, batch, func_state)
 
     @property
     def shares_gradient_pass(self) -> bool:
@@ -391,6 +498,8 @@ class Optimizer:
         return OptimizerState(velocities=velocities, estimator_state=rep, damping=rep, data_seen=rep, step_counter=rep)
 
     def _init_impl(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> OptimizerState:
+        if self._batch_process_func is not None:
+            batch = self._batch_process_func(batch)
         func_args = self._make_func_args(params, func_state, rng, batch)
         exact, approx = self._cache_powers()
         est_state = self._estimator.init(rng, func_args, exact, approx, False)
@@ -409,8 +518,9 @@ class Optimizer:
     def burnin(self, num_steps: int, params: Any, state: OptimizerState, rng: jax.Array, data_iterator: Iterator[Any], func_state: Any = None) -> tuple[OptimizerState, Any]:
         """Accumulates curvature statistics for ``num_steps`` batches without moving the parameters."""
         for _ in range(num_steps):
-            rng, key = jax.random.split(rng)
+            rng, key = parallel.split_keys(rng, 2, self._multi_device)
             batch = next(data_iterator)
+            self._check_batch(batch)
             state = self._jit_burnin(params, state, key, batch, func_state)
         return state, func_state
 
@@ -425,9 +535,17 @@ class Optimizer:
         batch = sub_batch
         est = self._estimator.update_curvature_matrix_estimate(
             state.estimator_state, 1.0, 1.0, self._batch_size_extractor(batch), k1, func_args,
-            estimation_mode=self._estimation_mode,
+            pmap_axis_name=self._axis, estimation_mode=self._estimation_mode,
         )
+        est = self._estimator.sync(est, self._axis)  # multi_device: average each device's statistics
         return parallel.constrain(dataclasses.replace(state, estimator_state=est), self._state_shardings)
+
+    def _check_batch(self, batch: Any) -> None:
+        """Batch leaves agree on their batch size (and, with ``multi_device``, carry the device axis)."""
+        if self._multi_device:
+            parallel.check_device_axis({"batch": batch}, jax.local_device_count())
+            batch = parallel.local_shapes(batch)
+        utils.check_batch_leading_sizes(batch)
 
     # --- step --------------------------------------------------------------------------------
 
@@ -470,22 +588,33 @@ class Optimizer:
             raise RuntimeError("Call `optimizer.init(params, rng, batch)` before `step`.")
         if not isinstance(state, OptimizerState):
             raise TypeError(f"`state` must be the Optimizer.State returned by init/step, got {type(state).__name__}.")
-        if utils.tree_spec(params) != self._params_spec:
+        n = jax.local_device_count()
+        if self._multi_device:
+            parallel.check_device_axis({"params": params, "state": state, "rng": rng, "func_state": func_state}, n)
+        spec = utils.tree_spec(parallel.local_shapes(params) if self._multi_device else params)
+        if spec != self._params_spec:
             raise ValueError(
                 "`params` differ in structure, shapes or dtypes from those passed to init:\n"
-                f"init: {self._params_spec}\nstep: {utils.tree_spec(params)}"
+                f"init: {self._params_spec}\nstep: {spec}"
             )
         if self._has_state and func_state is None:
             raise ValueError("value_func_has_state=True: pass `func_state` to step.")
         needs_counter = self._num_burnin_steps > 0 and global_step_int is None
         step_int = self.verify_args_and_get_step_counter(
-            state.step_counter if needs_counter else 0, learning_rate, momentum, damping, global_step_int
+            (state.step_counter[0] if self._multi_device else state.step_counter) if needs_counter else 0,
+            learning_rate, momentum, damping, global_step_int,
         )
-        lr = _as_float(0.0 if learning_rate is None else learning_rate, "learning_rate")
-        mom = _as_float(0.0 if momentum is None else momentum, "momentum")
-        damp = _as_float(0.0 if damping is None else damping, "damping")
+        if self._multi_device:  # pmap maps every argument: one value per device
+            lr, mom, damp = (
+                parallel.device_scalar(0.0 if v is None else v, n, name)
+                for v, name in ((learning_rate, "learning_rate"), (momentum, "momentum"), (damping, "damping"))
+            )
+        else:
+            lr = _as_float(0.0 if learning_rate is None else learning_rate, "learning_rate")
+            mom = _as_float(0.0 if momentum is None else momentum, "momentum")
+            damp = _as_float(0.0 if damping is None else damping, "damping")
         if self._num_burnin_steps > 0 and step_int == 0:
-            rng, key = jax.random.split(rng)
+            rng, key = parallel.split_keys(rng, 2, self._multi_device)
             if data_iterator is not None:
                 state, func_state = self.burnin(self._num_burnin_steps, params, state, key, data_iterator, func_state)
             else:
@@ -501,7 +630,7 @@ class Optimizer:
                 )
         if batch is None:
             batch = next(data_iterator)  # type: ignore[arg-type]
-        utils.check_batch_leading_sizes(batch)
+        self._check_batch(batch)
         params, state, func_state, stats = self._jit_step(params, state, rng, batch, func_state, lr, mom, damp)
         if self._has_state:
             return params, state, func_state, stats
@@ -576,7 +705,13 @@ class Optimizer:
         pj = self._trace(func_args)
 
         damping = state.damping if self._adaptive_damping else self._schedule_value(self._damping_schedule, damp_arg, step)
-        identity_weight = self._l2_reg + damping
+        # The preconditioner's damping (kfac-jax 0.0.8): its own schedule, or the damping times
+        # `precon_damping_mult` (1 by default: the damping itself).
+        if self._precon_damping_schedule is not None:
+            precon_damping = jnp.asarray(self._precon_damping_schedule(step), jnp.float32)
+        else:
+            precon_damping = damping * self._precon_damping_mult
+        identity_weight = self._l2_reg + precon_damping
 
         # 1-2. One linearized forward pass: the curvature statistics and, where provably the same
         # (see curvax.gradients), the loss and the gradient; otherwise those come from the user.
@@ -590,6 +725,8 @@ class Optimizer:
             value, grads = self._value_and_grad_func(*func_args)
             loss = self._split_outputs(value)[0]
         _, new_func_state, aux = self._split_outputs(value)
+        if self._axis is not None:  # multi_device: each device saw its share of the batch
+            loss, grads = jax.lax.pmean((loss, grads), self._axis)
         adaptive = self._adaptive_lr or self._adaptive_momentum
 
         # The curvature's view of the batch: the same linearization, or one of a sub-batch.
@@ -611,9 +748,10 @@ class Optimizer:
 
         def update_statistics(s):
             c_losses, c_data_for, _, c_size = curvature_view()
-            return est._update_from_cotangents(
-                s, c_losses, c_data_for, k_est, self._estimation_mode, self._curvature_ema, 1.0, c_size, None
+            s = est._update_from_cotangents(
+                s, c_losses, c_data_for, k_est, self._estimation_mode, self._curvature_ema, 1.0, c_size, self._axis
             )
+            return est.sync(s, self._axis)  # multi_device: average each device's statistics
 
         if self._curvature_update_period == 1:
             est_state = update_statistics(state.estimator_state)
@@ -706,6 +844,8 @@ class Optimizer:
             def adapt():
                 args = self._make_func_args(new_params, func_state, k_func, batch)
                 nl = self._split_outputs(self._value_func(*args))[0]
+                if self._axis is not None:
+                    nl = jax.lax.pmean(nl, self._axis)
                 r = (nl - loss) / quad_change
                 r = jnp.where(jnp.isfinite(r), r, -100.0)
                 factor = self.damping_decay_factor
@@ -717,17 +857,19 @@ class Optimizer:
                 update_damping, adapt, lambda: (new_loss, rho, jnp.asarray(damping, jnp.float32))
             )
 
+        # multi_device: the batch of the step is every device's share.
+        total_batch_size = batch_size if self._axis is None else batch_size * jax.lax.psum(1, self._axis)
         new_state = OptimizerState(
             velocities=delta,
             estimator_state=est_state,
             damping=jnp.asarray(new_damping, jnp.float32),
-            data_seen=state.data_seen + batch_size,
+            data_seen=state.data_seen + total_batch_size,
             step_counter=step + 1,
         )
         new_state = parallel.constrain(new_state, self._state_shardings)
         stats = {
             "step": step + 1,
-            "batch_size": jnp.asarray(batch_size, jnp.int32),
+            "batch_size": jnp.asarray(total_batch_size, jnp.int32),
             "data_seen": new_state.data_seen,
             "loss": loss,
             "new_loss": new_loss,
@@ -741,7 +883,7 @@ class Optimizer:
         if scaled_sq is not None:
             stats["scaled_grad_norm_sq"] = scaled_sq
         if aux is not None:
-            stats["aux"] = aux
+            stats["aux"] = aux if self._axis is None else jax.lax.pmean(aux, self._axis)
         if self._include_norms:
             stats["param_norm"] = utils.norm(params)
             stats["grad_norm"] = utils.norm(grads)
@@ -780,6 +922,7 @@ class Optimizer:
                 row.append(total / batch_size)
             rows.append(row)
         a = jnp.array(rows)
+        a = utils.pmean_if_pmap(a, self._axis)  # multi_device: each device saw its share of the batch
         return a, utils.matrix_of_inner_products(vectors), utils.vector_of_inner_products(grads, vectors)
 
     def compute_exact_quad_model(self, vectors: Sequence[Any], grads: Any, func_args: Sequence[Any] | None = None):
@@ -817,6 +960,7 @@ class Optimizer:
         return jnp.stack([w0, safe(-(b[1] + ad[0, 1] * w0), ad[1, 1])])
 
     def compute_loss_value(self, func_args: Sequence[Any]) -> jax.Array:
+        """The loss value of ``value_func(*func_args)``, without its state or aux outputs."""
         return self._split_outputs(self._value_func(*func_args))[0]
 
     def _check_params_dtype(self, params: Any) -> None:

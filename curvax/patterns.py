@@ -457,3 +457,36 @@ def layer_matchers(graph_patterns: Sequence[Any]) -> tuple[detection.LayerMatche
             )
     order = sorted(range(len(out)), key=lambda i: (-out[i].precedence, i))
     return tuple(out[i] for i in order)
+
+
+# --- kfac-jax helpers that client code (FermiNet) builds its own patterns from -------
+
+
+def _dense(x: Any, params: Sequence[Any], axes: int = 1, with_reshape: bool = False) -> Any:
+    """A dense layer for ``GraphPattern.compute_func``: ``tensordot(x, w, axes) (+ b)``.
+
+    kfac-jax name (``tag_graph_matcher._dense``), kept because client code such as
+    FermiNet wraps it (e.g. ``jax.vmap``-ed, for a repeated dense layer).
+    ``params`` is ``[w]`` or ``[w, b]``; ``with_reshape`` reshapes ``b`` to
+    ``y``'s rank before adding it.
+    """
+    if len(params) not in (1, 2):
+        raise ValueError(f"_dense: `params` must be [w] or [w, b], got {len(params)} arrays.")
+    y = jnp.tensordot(x, params[0], axes=axes)
+    if len(params) == 1:
+        return y
+    b = params[1]
+    return y + (b.reshape((1,) * (y.ndim - b.ndim) + b.shape) if with_reshape else b)
+
+
+def _dense_parameter_extractor(reversed_eqns: Sequence[Any], variant: str = "dense") -> dict[str, Any]:
+    """A ``parameters_extractor_func`` for dense-like patterns (kfac-jax name, used by FermiNet).
+
+    The matched equations must contain a ``dot_general``. curvax's dense tag
+    needs no parameters from it (the layer contracts ``x``'s last axis with
+    ``w``'s first); a ``variant`` other than ``"dense"`` is recorded in the tag's
+    meta so that blocks can be chosen for it (``set_default_tag_to_block_ctor(variant, ...)``).
+    """
+    if not any(e.primitive.name == "dot_general" for e in reversed_eqns):
+        raise ValueError("_dense_parameter_extractor: the matched equations contain no dot_general.")
+    return {} if variant == "dense" else {"variant": variant}

@@ -12,7 +12,7 @@ transformation does not see: use ``curvax.Optimizer`` for those.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -142,3 +142,252 @@ def kfac_preconditioner(
         return precon, KFACPreconditionerState(state.count + 1, key, est_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# ------------------------------------------------------------------------------------------------
+# kfac-jax v0.0.8's Optax interface (compatibility-only)
+# ------------------------------------------------------------------------------------------------
+
+
+class OptaxPreconditionState(NamedTuple):
+    """``count``: preconditioner steps so far; ``estimator_state``: the curvature blocks.
+
+    kfac-jax v0.0.8 name (compatibility-only); ``kfac_preconditioner``'s state is
+    ``KFACPreconditionerState``.
+    """
+
+    count: jax.Array
+    estimator_state: Any
+
+
+class OptaxPreconditioner:
+    """kfac-jax v0.0.8's ``OptaxPreconditioner`` over curvax's block-diagonal estimator.
+
+    Compatibility-only: the caller drives the steps (``maybe_update`` with the function's
+    arguments, ``apply`` to precondition, ``increment_count``), as in kfac-jax;
+    ``as_gradient_transform`` gives an Optax transformation that multiplies by the
+    (inverse) curvature held in a ``precond_state`` passed as an extra argument. For a
+    self-contained Optax transformation use ``kfac_preconditioner``.
+
+    The arguments are kfac-jax's; ``curvature_update_period`` must be 1 (as in kfac-jax),
+    ``num_samples`` 1, ``norm_to_scale_identity_weight_per_block`` None (not supported),
+    and ``distributed_inverses``/``distributed_precon_apply`` are accepted and unused
+    (curvax spreads work over devices through ``jit`` shardings).
+    """
+
+    def __init__(
+        self,
+        value_func: Callable[..., Any],
+        l2_reg: float = 0.0,
+        damping: float | None = None,
+        damping_schedule: Callable[[jax.Array], Any] | None = None,
+        norm_constraint: float | None = None,
+        estimation_mode: str = "fisher_gradients",
+        curvature_ema: float = 0.95,
+        curvature_update_period: int = 1,
+        inverse_update_period: int = 5,
+        use_exact_inverses: bool = False,
+        use_sqrt_inv: bool = False,
+        register_only_generic: bool = False,
+        patterns_to_skip: Sequence[str] = (),
+        auto_register_kwargs: Mapping[str, Any] | None = None,
+        layer_tag_to_block_ctor: Mapping[str, Callable[..., Any]] | None = None,
+        pmap_axis_name: str = "kfac_axis",
+        batch_size_extractor: Callable[[Any], Any] = utils.default_batch_size_extractor,
+        distributed_inverses: bool = True,
+        distributed_precon_apply: bool = True,
+        num_samples: int = 1,
+        should_vmap_samples: bool = False,
+        norm_to_scale_identity_weight_per_block: str | None = None,
+    ):
+        del distributed_inverses, distributed_precon_apply, should_vmap_samples
+        if not callable(value_func):
+            raise TypeError(f"`value_func` must be callable, got {type(value_func).__name__}.")
+        if (damping is None) == (damping_schedule is None):
+            raise ValueError("OptaxPreconditioner: pass exactly one of `damping` and `damping_schedule`.")
+        if damping is not None:
+            utils.check_number(damping, "damping", 0.0)
+        utils.check_number(l2_reg, "l2_reg", 0.0)
+        utils.check_number(curvature_ema, "curvature_ema", 0.0, 1.0)
+        if curvature_update_period != 1:
+            raise ValueError(f"`curvature_update_period` must be 1 (as in kfac-jax), got {curvature_update_period!r}.")
+        self._inverse_update_period = utils.check_int(inverse_update_period, "inverse_update_period", 1)
+        if num_samples != 1:
+            raise NotImplementedError(f"OptaxPreconditioner: `num_samples` must be 1, got {num_samples!r}.")
+        if norm_to_scale_identity_weight_per_block is not None:
+            raise NotImplementedError(
+                "OptaxPreconditioner: `norm_to_scale_identity_weight_per_block` is not supported; pass None."
+            )
+        if norm_constraint is not None:
+            utils.check_number(norm_constraint, "norm_constraint", 0.0)
+        self._l2_reg = l2_reg
+        self._damping = damping
+        self._damping_schedule = damping_schedule
+        self._norm_constraint = norm_constraint
+        self._curvature_ema = curvature_ema
+        self._pmap_axis_name = pmap_axis_name
+        self._batch_size_extractor = batch_size_extractor
+        self._use_cached_inverses = self._inverse_update_period != 1
+        self._use_exact_inverses = bool(use_exact_inverses)
+        self._use_sqrt_inv = bool(use_sqrt_inv)
+        kwargs = dict(auto_register_kwargs or {})
+        if register_only_generic:
+            kwargs["register_only_generic"] = True
+        if patterns_to_skip:
+            kwargs["patterns_to_skip"] = tuple(patterns_to_skip)
+        self._estimator = estimators.BlockDiagonalCurvature(
+            value_func,
+            params_index=0,
+            default_estimation_mode=estimators.check_estimation_mode(estimation_mode),
+            layer_tag_to_block_ctor=layer_tag_to_block_ctor,
+            **kwargs,
+        )
+
+    # --- configuration ---------------------------------------------------------------------
+
+    @property
+    def estimator(self) -> estimators.BlockDiagonalCurvature:
+        """The block-diagonal curvature estimator behind the preconditioner."""
+        return self._estimator
+
+    @property
+    def pmap_axis_name(self) -> str:
+        """The pmap axis name over which statistics are averaged."""
+        return self._pmap_axis_name
+
+    @property
+    def _exact_powers_to_cache(self) -> int | None:
+        return -1 if self._use_exact_inverses and self._use_cached_inverses else None
+
+    @property
+    def _approx_powers_to_cache(self) -> int | None:
+        return -1 if not self._use_exact_inverses and self._use_cached_inverses else None
+
+    def get_identity_weight(self, state: OptaxPreconditionState) -> Any:
+        """``damping + l2_reg`` (the damping from the schedule at ``state.count`` if one was given)."""
+        damping = self._damping if self._damping is not None else self._damping_schedule(state.count)  # type: ignore[misc]
+        return damping + self._l2_reg
+
+    # --- state ----------------------------------------------------------------------------
+
+    def init(self, func_args: Sequence[Any], rng: jax.Array) -> OptaxPreconditionState:
+        """The initial state; traces ``value_func`` on ``func_args`` to find the layers."""
+        return OptaxPreconditionState(
+            count=jnp.zeros([], jnp.int32),
+            estimator_state=self._estimator.init(
+                rng, func_args, self._exact_powers_to_cache, self._approx_powers_to_cache, False
+            ),
+        )
+
+    def increment_count(self, state: OptaxPreconditionState) -> OptaxPreconditionState:
+        """The state with its step count incremented (saturating at int32 max)."""
+        return OptaxPreconditionState(optax.safe_int32_increment(state.count), state.estimator_state)
+
+    def sync_estimator_state(self, state: OptaxPreconditionState) -> OptaxPreconditionState:
+        """Averages the statistics over the devices of a ``pmap`` over ``pmap_axis_name`` (else unchanged)."""
+        return OptaxPreconditionState(state.count, self._estimator.sync(state.estimator_state, self._pmap_axis_name))
+
+    def should_update_estimator_curvature(self, state: OptaxPreconditionState) -> bool:
+        """Always ``True``: the curvature estimate is updated every step."""
+        del state
+        return True  # curvature_update_period is 1
+
+    def should_update_inverse_cache(self, state: OptaxPreconditionState) -> Any:
+        """Whether this step refreshes cached inverses (cached inverses on and count divisible by the update period)."""
+        if not self._use_cached_inverses:
+            return False
+        return state.count % self._inverse_update_period == 0
+
+    def should_sync_estimate_curvature(self, state: OptaxPreconditionState) -> Any:
+        """Whether the curvature estimate is synced across devices this step: always without cached inverses, else when the inverse cache is refreshed."""
+        return True if not self._use_cached_inverses else self.should_update_inverse_cache(state)
+
+    # --- updates --------------------------------------------------------------------------
+
+    def _update_estimator_curvature(
+        self, estimator_state: Any, func_args: Sequence[Any], rng: jax.Array, ema_old: Any, ema_new: Any,
+        sync: Any = True, identity_weight: Any = 0.0,
+    ) -> Any:
+        est = self._estimator
+        state = est.update_curvature_matrix_estimate(
+            state=estimator_state,
+            ema_old=ema_old,
+            ema_new=ema_new,
+            identity_weight=identity_weight,
+            batch_size=self._batch_size_extractor(func_args[-1]),
+            rng=rng,
+            func_args=func_args,
+            pmap_axis_name=self._pmap_axis_name,
+        )
+        if isinstance(sync, bool):
+            return est.sync(state, self._pmap_axis_name) if sync else state
+        return jax.lax.cond(sync, lambda s: est.sync(s, self._pmap_axis_name), lambda s: s, state)
+
+    def maybe_update_estimator_curvature(
+        self, state: OptaxPreconditionState, func_args: Sequence[Any], rng: jax.Array,
+        decay_old_ema: Any = True, sync: Any = True,
+    ) -> OptaxPreconditionState:
+        """Folds the statistics of ``func_args`` into the moving average (``ema_old=1`` if not ``decay_old_ema``)."""
+        ema_old = decay_old_ema * self._curvature_ema + (1.0 - decay_old_ema) * 1.0
+        est_state = self._update_estimator_curvature(
+            state.estimator_state, func_args, rng, ema_old, 1.0, sync, self.get_identity_weight(state)
+        )
+        return OptaxPreconditionState(state.count, est_state)
+
+    def maybe_update_inverse_cache(self, state: OptaxPreconditionState) -> OptaxPreconditionState:
+        """Refreshes the cached inverses every ``inverse_update_period`` steps."""
+        should = self.should_update_inverse_cache(state)
+        if should is False:
+            return state
+        identity_weight = self.get_identity_weight(state)
+        est_state = jax.lax.cond(
+            should,
+            lambda s: self._estimator.update_cache(
+                s, identity_weight, self._exact_powers_to_cache, self._approx_powers_to_cache, False
+            ),
+            lambda s: s,
+            state.estimator_state,
+        )
+        return OptaxPreconditionState(state.count, est_state)
+
+    def maybe_update(self, state: OptaxPreconditionState, func_args: Sequence[Any], rng: jax.Array) -> OptaxPreconditionState:
+        """Updates the statistics and, when due, the cached inverses."""
+        state = self.maybe_update_estimator_curvature(
+            state, func_args, rng, sync=self.should_sync_estimate_curvature(state)
+        )
+        return self.maybe_update_inverse_cache(state)
+
+    # --- products -------------------------------------------------------------------------
+
+    def apply(self, updates: Any, state: OptaxPreconditionState) -> Any:
+        """``(C + (damping + l2_reg) I)^-1 updates`` (``^-1/2`` with ``use_sqrt_inv``), norm-constrained if asked."""
+        new = self._estimator.multiply_matpower(
+            state.estimator_state, updates, self.get_identity_weight(state), -0.5 if self._use_sqrt_inv else -1,
+            self._use_exact_inverses, self._use_cached_inverses, self._pmap_axis_name,
+        )
+        if self._norm_constraint is not None:
+            sq_norm = utils.inner_product(new, updates)
+            coeff = jnp.minimum(jnp.sqrt(self._norm_constraint / sq_norm), 1)
+            new = utils.scalar_mul(new, coeff)
+        return new
+
+    def multiply_curvature(self, updates: Any, state: OptaxPreconditionState) -> Any:
+        """``(C + (damping + l2_reg) I) updates``."""
+        return self._estimator.multiply(
+            state.estimator_state, updates, self.get_identity_weight(state), self._use_exact_inverses,
+            self._use_cached_inverses, self._pmap_axis_name,
+        )
+
+    def as_gradient_transform(self, use_inverse: bool = True) -> optax.GradientTransformationExtraArgs:
+        """An Optax transformation multiplying by the (inverse) curvature of ``precond_state=`` (an extra argument)."""
+        multiply_fn = self.apply if use_inverse else self.multiply_curvature
+
+        def init_fn(params: Any) -> optax.EmptyState:
+            del params
+            return optax.EmptyState()
+
+        def update_fn(updates: Any, state: Any, params: Any = None, *, precond_state: OptaxPreconditionState, **extra_args: Any):
+            del params, extra_args
+            return multiply_fn(updates, precond_state), state
+
+        return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from curvax import tags
-from curvax.blocks import CurvatureBlock, Numeric, ScalarOrSequence
+from curvax.blocks import CurvatureBlock, Numeric, ScalarOrSequence, construct_block
 
 
 def slice_tag_eqn(eqn: tags.LayerTagEqn) -> tags.LayerTagEqn:
@@ -55,7 +55,7 @@ class StackedBlock(CurvatureBlock):
     @classmethod
     def from_ctor(cls, ctor: Callable[..., CurvatureBlock], eqn: tags.LayerTagEqn, name: str) -> "StackedBlock":
         """Builds the per-slice block with ``ctor`` and wraps it."""
-        return cls(eqn, name, ctor(slice_tag_eqn(eqn), name), int(eqn.meta["scan_length"]))
+        return cls(eqn, name, construct_block(ctor, slice_tag_eqn(eqn), name), int(eqn.meta["scan_length"]))
 
     def __repr__(self) -> str:
         return f"StackedBlock({self.length} x {self.inner!r})"

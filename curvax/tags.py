@@ -37,14 +37,17 @@ class LossTag(_compat.Primitive):
 
     @property
     def loss_class(self) -> type:
+        """The loss class this tag constructs from its operands."""
         return self._cls
 
     @property
     def parameter_dependants_names(self) -> tuple[str, ...]:
+        """Names of the loss's operands that depend on the parameters."""
         return self._dependants
 
     @property
     def parameter_independants_names(self) -> tuple[str, ...]:
+        """Names of the loss's operands that do not depend on the parameters (e.g. targets)."""
         return self._independants
 
     def _dependant_positions(self, args_names: Sequence[str]) -> list[int]:
@@ -65,6 +68,10 @@ class LossTag(_compat.Primitive):
         return out, [dims[i] for i in self._dependant_positions(args_names)]
 
     def bind(self, *args: Any, args_names: Sequence[str]) -> Any:  # type: ignore[override]
+        """Binds the tag to ``args``, named by ``args_names``.
+
+        Raises ``ValueError`` if the counts differ or a name is not one of the loss's operands.
+        """
         if len(args) != len(args_names):
             raise ValueError(f"LossTag.bind got {len(args)} operands but {len(args_names)} names.")
         for n in args_names:
@@ -95,10 +102,12 @@ class LayerTag(_compat.Primitive):
 
     @property
     def num_inputs(self) -> int:
+        """Number of layer-input operands of the tag."""
         return self._num_inputs
 
     @property
     def num_outputs(self) -> int:
+        """Number of layer-output operands of the tag."""
         return self._num_outputs
 
     def _select(self, xs: Sequence[Any]) -> Any:
@@ -130,10 +139,24 @@ def register_dense(y: jax.Array, x: jax.Array, w: jax.Array, b: jax.Array | None
     """Marks ``y = x @ w (+ b)`` as a dense layer; returns ``y``.
 
     ``w`` has shape ``(d_in, d_out)``; ``x`` may have any number of leading dims.
+
+    ``variant="<name>"`` (kfac-jax's keyword) marks a dense-like layer of that kind, e.g.
+    FermiNet's ``"repeated_dense"`` or ``"qmc"``: estimators then build the block registered
+    for the variant (``layer_tag_to_block_ctor`` / ``set_default_tag_to_block_ctor``),
+    falling back to the ``"dense"`` one. A variant other than ``"dense"`` may have any
+    shapes (as in kfac-jax; its block interprets them); ``variant="dense"`` is plain dense.
     """
     _check_array("y", y)
     _check_array("x", x)
     _check_array("w", w)
+    variant = kwargs.pop("variant", None)
+    if variant is not None and not isinstance(variant, str):
+        raise TypeError(f"register_dense: `variant` must be a string, got {type(variant).__name__}.")
+    if variant not in (None, "dense"):
+        if b is not None:
+            _check_array("b", b)
+        operands = (y, x, w) if b is None else (y, x, w, b)
+        return dense.bind(*operands, variant=variant, **kwargs)
     if w.ndim != 2:
         raise ValueError(f"register_dense: w must be a 2-D (d_in, d_out) array, got shape {w.shape}.")
     if x.shape[-1] != w.shape[0] or y.shape[-1] != w.shape[1]:
@@ -179,4 +202,15 @@ class LayerTagEqn:
 
     @property
     def tag_name(self) -> str:
+        """Name of the tag primitive of this equation."""
         return self.primitive.name
+
+    @property
+    def variant(self) -> str:
+        """The layer's kind for choosing a block: ``meta["variant"]`` (kfac-jax's name; also read
+        from a kfac-jax ``LayerMetaData`` under ``meta["meta"]``), else the tag's name."""
+        meta = dict(self.meta or {})
+        v = meta.get("variant")
+        if v is None and meta.get("meta") is not None:
+            v = getattr(meta["meta"], "variant", None)
+        return v if isinstance(v, str) and v else self.primitive.name

@@ -180,6 +180,7 @@ class Program:
         if not positions:
             return None
         body = Program(layout.body, positions, open_scans=False)
+        self.inlined_custom_derivatives.extend(body.inlined_custom_derivatives)
         stacked = {body.input_keys[j]: ins[j] for j in positions if j >= nc + ncar}
         shared = {body.input_keys[j]: ins[j] for j in positions if j < nc}
         return ScanBody(body, layout, stacked, shared)
@@ -198,6 +199,32 @@ class Program:
         return live[::-1]
 
     # --- evaluation ---------------------------------------------------------------
+
+    def check_inputs(self, flat_args: Sequence[Any]) -> None:
+        """Raises unless ``flat_args`` have exactly the shapes and dtypes the program was traced with.
+
+        A traced program is specialised to its input shapes: frameworks bake sizes into its
+        equations (Haiku broadcasts a dense layer's bias to ``(batch, out)``), so running it on,
+        say, one example of a batch can compute something else without failing. Re-trace the
+        function at the new shapes instead (``ProcessedJaxpr.make_from_func``, or an estimator's
+        ``processed_jaxpr_for``).
+        """
+        if len(flat_args) != len(self.input_keys):
+            raise ValueError(
+                f"The traced program takes {len(self.input_keys)} flat inputs, got {len(flat_args)}; "
+                "re-trace the function for these arguments."
+            )
+        for i, (k, x) in enumerate(zip(self.input_keys, flat_args)):
+            aval = self.avals[k]
+            shape, dtype = tuple(jnp.shape(x)), jnp.result_type(x)
+            if shape != tuple(aval.shape) or dtype != aval.dtype:
+                raise ValueError(
+                    f"The traced program was evaluated on flat input {i} of shape {shape} and dtype {dtype}, "
+                    f"but it was traced with shape {tuple(aval.shape)} and dtype {aval.dtype}. A traced program "
+                    "only computes the function at the shapes it was traced with (sizes such as the batch "
+                    "size are baked into its equations); re-trace the function at these shapes "
+                    "(e.g. an estimator's processed_jaxpr_for(func_args))."
+                )
 
     def evaluate(
         self,
@@ -218,6 +245,7 @@ class Program:
         ``detach`` read their inputs through ``stop_gradient``: values that are only
         read (e.g. the user's own backward pass) are not differentiated again.
         """
+        self.check_inputs(flat_args)
         scans = scans or {}
         transform = transform or {}
         env: dict[Key, Any] = dict(self.consts)

@@ -155,30 +155,37 @@ class ProcessedJaxpr:
 
     @property
     def jaxpr(self) -> _compat.Jaxpr:
+        """The traced jaxpr (without its constants); kfac-jax compatibility."""
         return self.closed_jaxpr.jaxpr
 
     @property
     def consts(self) -> list[Any]:
+        """The constants of the traced jaxpr; kfac-jax compatibility."""
         return list(self.closed_jaxpr.consts)
 
     @property
     def in_vars_flat(self) -> list[Any]:
+        """The jaxpr's input variables, one per flat leaf of the function arguments."""
         return list(self.jaxpr.invars)
 
     @property
     def in_vars(self) -> Any:
+        """The jaxpr's input variables in the structure of the function arguments."""
         return jax.tree_util.tree_unflatten(self.in_tree, self.in_vars_flat)
 
     @property
     def params_vars_flat(self) -> list[Any]:
+        """The jaxpr's input variables of the parameter leaves."""
         return self.in_vars_flat[self.params_offset : self.params_offset + self.num_params]
 
     @property
     def params_vars(self) -> Any:
+        """The parameter input variables in the structure of the parameters."""
         return jax.tree_util.tree_unflatten(self.params_tree, self.params_vars_flat)
 
     @property
     def loss_tags(self) -> tuple[LossSite, ...]:
+        """The detected loss sites (alias of ``loss_sites``); kfac-jax compatibility."""
         return self.loss_sites
 
     # --- structure ----------------------------------------------------------------
@@ -202,12 +209,14 @@ class ProcessedJaxpr:
         return leaves[o : o + n], leaves[:o] + leaves[o + n :]
 
     def join_args(self, params_flat: Sequence[Any], other_flat: Sequence[Any]) -> list[Any]:
+        """Inverse of ``split_args``: the full flat argument list from parameter and other leaves."""
         o = self.params_offset
         return list(other_flat[:o]) + list(params_flat) + list(other_flat[o:])
 
     # --- evaluation ---------------------------------------------------------------
 
     def perturbable_sites(self) -> list[int]:
+        """Indices of the layer sites with a non-generic tag (those whose outputs get perturbations)."""
         return [i for i, s in enumerate(self.layer_sites) if s.tag is not tags.generic]
 
     def evaluate(
@@ -288,9 +297,11 @@ class ProcessedJaxpr:
         return self._memo[key]
 
     def losses_from_operands(self, operands: Sequence[Sequence[Any]]) -> tuple[Any, ...]:
+        """One loss object per loss site, built from that site's operands."""
         return tuple(make_loss(s, ops) for s, ops in zip(self.loss_sites, operands))
 
     def zero_perturbations(self, params_flat: Sequence[Any], other_flat: Sequence[Any]) -> tuple[Any, ...]:
+        """Zero arrays shaped like the outputs of each perturbable site, for ``evaluate(perturbations=...)``."""
         shapes = jax.eval_shape(lambda p, o: self.evaluate(p, o)[1][1], params_flat, other_flat)
         return tuple(
             tuple(jnp.zeros(y.shape, y.dtype) for _, y in shapes[i]) for i in self.perturbable_sites()
@@ -371,6 +382,7 @@ def loss_tags_vjp(func: Callable[..., Any], params_index: int = 0) -> Callable[.
 
         return losses, vjp_fn
 
+    wrapped.processed_jaxpr = cache  # type: ignore[attr-defined]
     return wrapped
 
 
@@ -385,6 +397,7 @@ def loss_tags_jvp(func: Callable[..., Any], params_index: int = 0) -> Callable[.
         (deps, _), (tdeps, _), (ops, _) = jax.jvp(lambda q: pj.evaluate(q, o), (p,), (t,), has_aux=True)
         return pj.losses_from_operands(ops), tdeps
 
+    wrapped.processed_jaxpr = cache  # type: ignore[attr-defined]
     return wrapped
 
 
@@ -413,6 +426,7 @@ def loss_tags_hvp(func: Callable[..., Any], params_index: int = 0) -> Callable[.
         _, hv, ops = jax.jvp(grad_dot, (p,), (v,), has_aux=True)
         return jax.tree_util.tree_unflatten(pj.params_tree, hv), pj.losses_from_operands(ops)
 
+    wrapped.processed_jaxpr = cache  # type: ignore[attr-defined]
     return wrapped
 
 
@@ -565,12 +579,15 @@ def auto_register_tags(
     graph_matcher_rules: Any = None,
     graph_patterns: Any = None,
 ) -> Callable[..., Any]:
-    """Returns ``func`` with a layer tag bound at every detected layer.
+    """Returns ``func`` with a layer tag bound at every detected layer (and its loss tags kept).
 
-    The returned function computes the same outputs as ``func``; tracing it
-    shows the tags (``jax.make_jaxpr``). Its ``processed_jaxpr`` attribute holds
-    the detection result. ``compute_only_loss_tags`` is accepted for
-    compatibility: the returned function always computes ``func``'s outputs.
+    Tracing the returned function shows the layer and loss tags (``jax.make_jaxpr``), so
+    it can be given to an estimator with ``auto_register_tags=False``. With
+    ``compute_only_loss_tags=True`` (the default, as in kfac-jax) it computes only what
+    the registered losses need and returns the loss tags' outputs as a flat list;
+    with ``False`` it returns ``func``'s outputs. Its ``processed_jaxpr`` attribute
+    holds the detection result for ``func_args``; arguments of other shapes are traced
+    again (with the same layers), never run through a trace of other shapes.
     """
     if graph_matcher_rules is not None:
         raise NotImplementedError(
@@ -579,17 +596,14 @@ def auto_register_tags(
         )
     if allow_multiple_registrations:
         raise NotImplementedError("allow_multiple_registrations=True is not implemented in curvax yet (planned).")
-    pj = ProcessedJaxpr.make_from_func(
-        func,
-        func_args,
-        params_index,
-        allow_left_out_params=True,
-        register_only_generic=register_only_generic,
-        patterns_to_skip=patterns_to_skip,
+    cache = _Cache(
+        func, params_index, register_only_generic=register_only_generic, patterns_to_skip=patterns_to_skip,
         graph_patterns=graph_patterns,
     )
+    pj0 = cache.get(tuple(func_args))
 
     def tagged(*args: Any) -> Any:
+        pj = cache.get(args)
         p, o = pj.split_args(args)
         flat = pj.join_args(p, o)
         env_sites = {
@@ -598,8 +612,19 @@ def auto_register_tags(
             if s.pattern not in ("manual", "generic") and s.scan is None
             for use in s.uses
         }
-        # Evaluate once to know inputs, then bind the tags on the outputs.
-        wanted = list(pj.program.output_atoms)
+        # The loss tags are evaluated even where the function's outputs do not read them.
+        loss_tag_nodes = [i for i, n in enumerate(pj.program.nodes) if isinstance(n.primitive, tags.LossTag)]
+        if compute_only_loss_tags:
+            nodes = sorted(set(pj.loss_nodes) | set(loss_tag_nodes))
+            wanted = []
+            for i in loss_tag_nodes:
+                node = pj.program.nodes[i]
+                # A loss tag returns its parameter-dependent operands: where an output is dropped, read the operand.
+                dependants = [a for a, n in zip(node.inputs, node.params["args_names"]) if n in node.primitive.parameter_dependants_names]
+                wanted.extend(a if k is None else k for k, a in zip(node.outputs, dependants))
+        else:
+            nodes = sorted(set(pj.all_nodes) | set(loss_tag_nodes))
+            wanted = list(pj.program.output_atoms)
         values: dict[Any, Any] = {}
 
         def make(site: LayerSite) -> Callable[[Any], Any]:
@@ -610,7 +635,7 @@ def auto_register_tags(
 
             return fn
 
-        # Record inputs as they are computed.
+        # Record inputs as they are computed, then bind the tags on the outputs.
         needed_inputs = {a for s in env_sites.values() for a in s.inputs if not hasattr(a, "value")}
         transform = {}
         for k in needed_inputs:
@@ -619,10 +644,12 @@ def auto_register_tags(
             prev = transform.get(k)
             fn = make(site)
             transform[k] = (lambda v, prev=prev, fn=fn: fn(prev(v))) if prev else fn
-        outs = pj.program.evaluate(flat, pj.all_nodes, wanted, transform)
+        outs = pj.program.evaluate(flat, nodes, wanted, transform)
+        if compute_only_loss_tags:
+            return list(outs)
         return jax.tree_util.tree_unflatten(pj.out_tree, outs)
 
-    tagged.processed_jaxpr = pj  # type: ignore[attr-defined]
+    tagged.processed_jaxpr = pj0  # type: ignore[attr-defined]
     return tagged
 
 

@@ -14,30 +14,43 @@ Batch = Any
 FuncArgs = Sequence[Any]
 
 
-def inner_product(obj1: Any, obj2: Any) -> jax.Array:
-    """Sum over leaves of ``sum(a * b)``; the two pytrees must have the same structure."""
+def inner_product(obj1: Any, obj2: Any, in_float64: bool = False) -> jax.Array:
+    """Sum over leaves of ``sum(a * b)``; the two pytrees must have the same structure.
+
+    ``in_float64=True`` accumulates in float64 (when x64 is available) and
+    returns the result in the leaves' dtype (kfac-jax's keyword).
+    """
     l1, t1 = jax.tree_util.tree_flatten(obj1)
     l2, t2 = jax.tree_util.tree_flatten(obj2)
     if t1 != t2:
         raise ValueError(f"inner_product: the two pytrees differ in structure:\n{t1}\nvs\n{t2}")
     if not l1:
         return jnp.zeros([])
+    if in_float64:
+        dtype = jnp.result_type(*l1, *l2)
+        with jax.enable_x64(True):
+            total = sum(jnp.sum(a.astype(jnp.float64) * b.astype(jnp.float64)) for a, b in zip(l1, l2))
+        return total.astype(dtype)
     return sum(jnp.sum(a * b) for a, b in zip(l1, l2))
 
 
 def squared_norm(obj: Any) -> jax.Array:
+    """The squared Euclidean norm of a pytree: the sum of its leaves' squared entries."""
     return inner_product(obj, obj)
 
 
 def norm(obj: Any) -> jax.Array:
+    """The Euclidean (Frobenius) norm of a pytree, over all its leaves together."""
     return jnp.sqrt(squared_norm(obj))
 
 
 def scalar_mul(obj: Any, scalar: Any) -> Any:
+    """Every leaf of ``obj`` multiplied by ``scalar``."""
     return jax.tree_util.tree_map(lambda x: x * scalar, obj)
 
 
 def tree_add(a: Any, b: Any) -> Any:
+    """The leaf-wise sum ``a + b`` of two pytrees with the same structure."""
     return jax.tree_util.tree_map(jnp.add, a, b)
 
 
@@ -48,15 +61,21 @@ def weighted_sum_of_objects(objects: Sequence[Any], coefficients: Sequence[Any])
     return jax.tree_util.tree_map(lambda *xs: sum(c * x for c, x in zip(coefficients, xs)), *objects)
 
 
-def matrix_of_inner_products(vectors: Sequence[Any]) -> jax.Array:
-    """The Gram matrix ``M[i, j] = <v_i, v_j>``."""
+def matrix_of_inner_products(vectors: Sequence[Any], ip_function: Callable[[Any, Any], Any] = inner_product) -> jax.Array:
+    """The Gram matrix ``M[i, j] = ip_function(v_i, v_j)`` (each pair computed once; symmetric)."""
     n = len(vectors)
-    rows = [[inner_product(vectors[i], vectors[j]) for j in range(n)] for i in range(n)]
+    rows: list[list[Any]] = [[None] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i, n):
+            rows[i][j] = rows[j][i] = ip_function(vectors[i], vectors[j])
     return jnp.array(rows) if n else jnp.zeros((0, 0))
 
 
-def vector_of_inner_products(base: Any, vectors: Sequence[Any]) -> jax.Array:
-    return jnp.stack([inner_product(base, v) for v in vectors])
+def vector_of_inner_products(
+    base: Any, vectors: Sequence[Any], ip_function: Callable[[Any, Any], Any] = inner_product
+) -> jax.Array:
+    """``[ip_function(base, v) for v in vectors]`` as an array."""
+    return jnp.stack([ip_function(base, v) for v in vectors])
 
 
 def check_int(value: Any, name: str, minimum: int) -> int:
@@ -132,10 +151,12 @@ def subsample_batch(batch: Batch, fraction: float, key: jax.Array) -> Batch:
 
 
 def first_dim_is_size(size: int, *arrays: jax.Array) -> bool:
+    """Whether every array in ``arrays`` has leading dimension ``size``."""
     return all(a.shape[0] == size for a in arrays)
 
 
 def tree_zeros_like(obj: Any) -> Any:
+    """A pytree of zeros with the structure, shapes and dtypes of ``obj``."""
     return jax.tree_util.tree_map(jnp.zeros_like, obj)
 
 
@@ -158,3 +179,22 @@ def param_paths(params: Params) -> list[str]:
 
 
 Schedule = Callable[[Any], Any]
+
+
+# kfac-jax v0.0.8's other ``utils`` names (compatibility-only), kept in their own module.
+from curvax.kfac_api.utils_names import *  # noqa: E402,F401,F403
+
+# Names implemented in modules that import this one are resolved on first access.
+_LAZY = {
+    "WeightedMovingAverage": ("curvax.blocks", "WeightedMovingAverage"),
+    "stable_sqrt": ("curvax.losses", "stable_sqrt"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

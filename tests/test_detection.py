@@ -141,7 +141,7 @@ def test_no_registered_loss_is_a_clear_error():
 
 def test_auto_register_tags_binds_tags_and_keeps_values():
     loss_fn, params, batch = FRAMEWORK_MLPS["haiku"](jax.random.PRNGKey(0))
-    tagged = curvax.auto_register_tags(_value_func(loss_fn), (params, batch))
+    tagged = curvax.auto_register_tags(_value_func(loss_fn), (params, batch), compute_only_loss_tags=False)
     jaxpr = jax.make_jaxpr(tagged)(params, batch)
     assert sum(e.primitive.name == "dense" for e in jaxpr.jaxpr.eqns) == 2
     np.testing.assert_allclose(tagged(params, batch), loss_fn(params, batch), rtol=1e-6)

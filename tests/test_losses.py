@@ -335,8 +335,9 @@ def test_evaluate_matches_reference_losses() -> None:
     np.testing.assert_allclose(loss.evaluate(), WEIGHT * (((m - y) ** 2).sum(-1) / (2 * 0.7) + const))
 
     loss = bernoulli_loss(shape=(2, 3, 4))
-    ref = optax.sigmoid_binary_cross_entropy(loss.logits, loss.targets).sum(-1)
-    assert loss.evaluate().shape == (2, 3)
+    # One value per logit, as kfac-jax (its Bernoulli's log_prob is elementwise).
+    ref = optax.sigmoid_binary_cross_entropy(loss.logits, loss.targets)
+    assert loss.evaluate().shape == (2, 3, 4)
     np.testing.assert_allclose(loss.evaluate(), WEIGHT * ref, rtol=1e-12)
 
     loss = categorical_loss(shape=(2, 3, 4))
@@ -613,7 +614,9 @@ def test_tag_operands_rebuild_the_loss(name: str, monkeypatch: pytest.MonkeyPatc
         variance = 0.5 if register is curvax.register_squared_error_loss else kwargs["variance"]
         np.testing.assert_allclose(loss.multiply_fisher(v)[0], w / variance * v[0])
     if loss.targets is not None:
-        assert loss.evaluate().shape == (3,)
+        # One value per case; Bernoulli losses keep one per logit, as kfac-jax's.
+        want = z.shape if tag is losses.multi_bernoulli_tag else (3,)
+        assert loss.evaluate().shape == want
     if register is curvax.register_squared_error_loss:
         np.testing.assert_allclose(loss.evaluate(), w * jnp.sum((kwargs["targets"] - z) ** 2, axis=-1))
 

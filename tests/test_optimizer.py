@@ -256,8 +256,8 @@ def test_bad_input_gets_clear_errors():
         make_opt(value_func_has_aux=True).init(params, KEY, batch)
     with pytest.raises(ValueError, match="initial_damping"):
         make_opt(use_adaptive_damping=True)
-    with pytest.raises(NotImplementedError, match="multi_device=True.*jax.sharding"):
-        make_opt(multi_device=True)
+    with pytest.raises(TypeError, match="multi_device=True needs `pmap_axis_name`"):
+        make_opt(multi_device=True, pmap_axis_name="")
     opt = make_opt(use_adaptive_learning_rate=True)
     state = opt.init(params, KEY, batch)
     with pytest.raises(ValueError, match="exactly one of `data_iterator` and `batch`"):

@@ -130,7 +130,9 @@ def test_guide_example_optimizer_takes_the_newton_step():
     np.testing.assert_allclose(params["b"], best[4], rtol=1e-5, atol=1e-6)
     assert loss(params, (x, t)) < 0.1 * loss0
     # kfac-jax's module spelling; the tagged function binds the guide's tag and computes the same loss.
-    tagged = patterns.auto_register_tags(loss, (params, (x, t)), graph_patterns=(dense_with_bias_pattern,))
+    tagged = patterns.auto_register_tags(
+        loss, (params, (x, t)), graph_patterns=(dense_with_bias_pattern,), compute_only_loss_tags=False
+    )
     jaxpr = jax.make_jaxpr(tagged)(params, (x, t))
     assert [e.primitive for e in jaxpr.eqns].count(dense) == 1
     np.testing.assert_allclose(tagged(params, (x, t)), loss(params, (x, t)), rtol=1e-12)

@@ -293,7 +293,7 @@ def test_auto_register_tags_binds_the_two_factor_form():
     value = lambda p, b: jax.value_and_grad(loss)(p, b)[0]
     params = {"bias": jnp.zeros(D), "scale": jnp.ones(D)}
     batch = (jax.random.normal(jax.random.PRNGKey(9), (B, D)), jnp.zeros((B, D)))
-    tagged = curvax.auto_register_tags(value, (params, batch))
+    tagged = curvax.auto_register_tags(value, (params, batch), compute_only_loss_tags=False)
     eqns = [e for e in jax.make_jaxpr(tagged)(params, batch).jaxpr.eqns if e.primitive.name == "scale_and_shift"]
     assert len(eqns) == 1 and eqns[0].primitive is ss.scale_and_shift_product
     assert len(eqns[0].invars) == 5  # output, two input factors, scale, shift

@@ -407,6 +407,27 @@ def _patches_setup(
     return spec, k_sp, c
 
 
+def _patches_precision(precision: Any) -> Any:
+    """The precision to extract patches with, from a convolution's ``precision``.
+
+    ``lax.conv_general_dilated_patches`` takes one precision for its input (it pairs it with
+    ``DEFAULT`` for its one-hot kernel itself), while a traced convolution carries an
+    ``(lhs, rhs)`` pair (or a dot algorithm): the input's half is what rounds the patches.
+    A dot algorithm (or a preset's name) has no per-operand half; patches are then copied
+    exactly (``HIGHEST``). Strings become ``lax.Precision`` values (JAX rejects mixed pairs).
+    """
+    if isinstance(precision, (tuple, list)) and len(precision) == 2:
+        precision = precision[0]
+    if precision is None or isinstance(precision, lax.Precision):
+        return precision
+    if isinstance(precision, str):
+        try:
+            return lax.Precision(precision)
+        except ValueError:
+            pass
+    return lax.Precision.HIGHEST
+
+
 def _kernel_shape(spec: ConvSpec, k_sp: Sequence[int], c_out: int, c_in: int) -> tuple[int, ...]:
     shape = [0] * (spec.num_spatial + 2)
     r = spec.dimension_numbers.rhs_spec
@@ -476,7 +497,7 @@ def patches_moments_explicit(
     )
     patches = lax.conv_general_dilated_patches(
         inputs, k_sp, spec.window_strides, spec.padding, spec.lhs_dilation, spec.rhs_dilation,
-        spec.dimension_numbers, precision,
+        spec.dimension_numbers, _patches_precision(precision),
     )
     k = math.prod(k_sp)
     # Features come as (channel, *kernel offsets): reorder to (offset, channel).
@@ -511,7 +532,7 @@ def _patch_gram(x: Array, spec: ConvSpec, k_sp: Sequence[int], c: int) -> tuple[
     def moments(xc: Array) -> tuple[Array, Array]:
         patches = lax.conv_general_dilated_patches(
             xc, tuple(k_sp), spec.window_strides, spec.padding, spec.lhs_dilation, spec.rhs_dilation,
-            spec.dimension_numbers, spec.precision,
+            spec.dimension_numbers, _patches_precision(spec.precision),
         )
         p = _canonical_out(patches, spec).reshape(-1, d)  # features (channel, offset)
         return jnp.matmul(p.T, p, precision=spec.precision), jnp.sum(p, axis=0)
@@ -937,6 +958,7 @@ class ConvDiagonal(_ConvMixin, blocks.Diagonal):
 
     @property
     def max_elements_for_vmap(self) -> int:
+        """The chunk size for vmapped per-example work (the constructor's value, else the global default)."""
         return self._max_elements or blocks.get_max_parallel_elements()
 
     def _diagonals_from_data(self, estimation_data, batch_size):
@@ -963,6 +985,7 @@ class ConvFull(_ConvMixin, blocks.Full):
 
     @property
     def max_elements_for_vmap(self) -> int:
+        """The chunk size for vmapped per-example work (the constructor's value, else the global default)."""
         return self._max_elements or blocks.get_max_parallel_elements()
 
     def _matrix_from_data(self, estimation_data, batch_size):
@@ -990,6 +1013,7 @@ class ConvEigenvalueCorrected(blocks.EigenvalueCorrectedKroneckerFactored, ConvT
 
     @property
     def max_elements_for_vmap(self) -> int:
+        """The chunk size for vmapped per-example work (the constructor's value, else the global default)."""
         return self._max_elements or blocks.get_max_parallel_elements()
 
     def _eigenvalue_correction_from_data(self, estimation_data, qa, qg, batch_size):

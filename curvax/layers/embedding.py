@@ -77,23 +77,25 @@ class EmbeddingKroneckerFactored(blocks.CurvatureBlock):
         inputs_factor: WeightedMovingAverage
         outputs_factor: WeightedMovingAverage
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
         super().__init__(layer_tag_eq, name)
         if self.number_of_parameters != 1 or len(self.parameters_shapes[0]) != 2:
             raise ValueError(
-                f"{name}: an embedding block needs exactly one (vocab, d) table, got shapes {self.parameters_shapes}."
+                f"{self.name}: an embedding block needs exactly one (vocab, d) table, got shapes {self.parameters_shapes}."
             )
         mode = self.layer_tag_extra_params.get("mode", "clip")
         if mode not in ("clip", "drop"):
-            raise ValueError(f"{name}: meta['mode'] must be 'clip' or 'drop', got {mode!r}.")
+            raise ValueError(f"{self.name}: meta['mode'] must be 'clip' or 'drop', got {mode!r}.")
         self._mode = mode
 
     @property
     def vocab_size(self) -> int:
+        """Number of rows of the embedding table (its first dimension)."""
         return self.parameters_shapes[0][0]
 
     @property
     def embedding_dim(self) -> int:
+        """Width of each embedding vector (the table's second dimension)."""
         return self.parameters_shapes[0][1]
 
     # --- state ------------------------------------------------------------------------

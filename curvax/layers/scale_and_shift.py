@@ -191,7 +191,7 @@ class ScaleAndShiftDiagonal(_ScaleAndShiftMixin, blocks.Diagonal):
     per-example gradients of scale (``sum x_hat * dy``) and shift (``sum dy``).
     """
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
         super().__init__(layer_tag_eq, name)
         self._check_scale_and_shift()
 
@@ -206,7 +206,7 @@ class ScaleAndShiftFull(_ScaleAndShiftMixin, blocks.Full):
     flattened in parameter order: it keeps the scale/shift cross terms.
     """
 
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str, eigen_decomposition_threshold: int | None = None):
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None, eigen_decomposition_threshold: int | None = None):
         super().__init__(layer_tag_eq, name, eigen_decomposition_threshold)
         self._check_scale_and_shift()
 

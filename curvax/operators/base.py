@@ -1,0 +1,627 @@
+"""The operator base class, the parameter space it acts on, and composite operators.
+
+A ``CurvatureOperator`` is an immutable pytree representing a square matrix acting on a
+model's parameters. ``K @ v`` accepts a parameter pytree (returns one), a flat vector of
+length ``K.dim`` (the parameters' leaves in pytree order, each flattened in C order: the
+order of ``BlockDiagonalCurvature.to_dense_matrix``) or a ``(dim, k)`` matrix whose columns
+are flat vectors. Scaling, sums and products build new operators without computing anything.
+
+Methods without a closed form for an operator (e.g. ``logdet`` of a sum) fall back to the
+dense matrix up to ``DENSE_FALLBACK_LIMIT`` parameters and raise beyond it, pointing to the
+matrix-free estimators in ``curvax.operators.stochastic``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+DENSE_FALLBACK_LIMIT = 4096
+"""Largest ``dim`` for which methods without a closed form build the dense matrix."""
+
+
+# ----------------------------------------------------------------------------------
+# Small helpers
+# ----------------------------------------------------------------------------------
+
+
+def is_concrete(x: Any) -> bool:
+    """Whether ``x`` has a value now (not a tracer inside ``jit``/``vmap``)."""
+    return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
+
+
+def check_damping(value: Any, name: str = "damping") -> Any:
+    """A non-negative scalar damping (a Python float stays one, so that zero stays static).
+
+    The check runs when the value is concrete (not inside ``jit``).
+    """
+    if isinstance(value, bool) or not (isinstance(value, (numbers.Real, np.ndarray, jax.Array))):
+        raise TypeError(f"`{name}` must be a non-negative real number, got {value!r}.")
+    if np.ndim(value) != 0:
+        raise ValueError(f"`{name}` must be a scalar, got an array of shape {np.shape(value)}.")
+    if is_concrete(value):
+        v = float(value)
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"`{name}` must be a finite number >= 0, got {v!r}.")
+    return float(value) if isinstance(value, numbers.Real) else jnp.asarray(value)
+
+
+def is_static_zero(x: Any) -> bool:
+    """Whether ``x`` is known now to be exactly zero."""
+    return is_concrete(x) and float(x) == 0.0
+
+
+def static_power(p: Any, name: str = "p") -> float | int:
+    """A static real power, normalised to ``int`` when integral."""
+    if isinstance(p, (jax.Array, np.ndarray)) and np.ndim(p) == 0 and is_concrete(p):
+        p = float(p)
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not math.isfinite(float(p)):
+        raise TypeError(f"`{name}` must be a static finite real number, got {p!r}.")
+    p = float(p)
+    return int(p) if p.is_integer() else p
+
+
+# ----------------------------------------------------------------------------------
+# Parameter space
+# ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterSpace:
+    """The structure, shapes and dtypes of the parameters an operator acts on (static, hashable)."""
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+    @classmethod
+    def from_tree(cls, tree: Any) -> "ParameterSpace":
+        """The space of ``tree`` (arrays or ``jax.ShapeDtypeStruct`` leaves)."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if not leaves:
+            raise ValueError("The parameters have no array leaves.")
+        return cls(treedef, tuple(tuple(np.shape(x)) for x in leaves), tuple(str(jnp.result_type(x)) for x in leaves))
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(int(math.prod(s)) for s in self.shapes)
+
+    @property
+    def dim(self) -> int:
+        return int(sum(self.sizes))
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.result_type(*self.dtypes)
+
+    def template(self) -> Any:
+        """The parameters as ``jax.ShapeDtypeStruct`` leaves."""
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.shapes, self.dtypes)]
+        )
+
+    def matches(self, tree: Any) -> bool:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        return treedef == self.treedef and tuple(tuple(np.shape(x)) for x in leaves) == self.shapes
+
+    def flatten(self, tree: Any) -> Array:
+        """A parameter pytree as one flat vector (leaves in pytree order, C order)."""
+        leaves = jax.tree_util.tree_leaves(tree)
+        return jnp.concatenate([jnp.ravel(x).astype(self.dtype) for x in leaves])
+
+    def unflatten(self, flat: Array) -> Any:
+        """Inverse of ``flatten``; leaves get the parameters' dtypes."""
+        parts = jnp.split(flat, np.cumsum(self.sizes)[:-1])
+        leaves = [p.reshape(s).astype(d) for p, s, d in zip(parts, self.shapes, self.dtypes)]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def describe(self) -> str:
+        return f"a pytree {self.treedef} with leaf shapes {list(self.shapes)}, or a flat array of shape ({self.dim},) or ({self.dim}, k)"
+
+
+# ----------------------------------------------------------------------------------
+# Base class
+# ----------------------------------------------------------------------------------
+
+
+class CurvatureOperator:
+    """A square matrix on the parameters, applied matrix-free (see the module docstring).
+
+    Subclasses set ``space`` and implement ``_matvec_tree``; they override the spectral
+    methods where a closed form exists. ``is_symmetric`` / ``is_psd`` describe the matrix.
+    """
+
+    space: ParameterSpace
+
+    # --- description --------------------------------------------------------------
+
+    @property
+    def dim(self) -> int:
+        return self.space.dim
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.dim, self.dim)
+
+    @property
+    def dtype(self) -> Any:
+        return self.space.dtype
+
+    @property
+    def is_symmetric(self) -> bool:
+        return True
+
+    @property
+    def is_psd(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dim={self.dim})"
+
+    # --- products -------------------------------------------------------------------
+
+    def _matvec_tree(self, tree: Any) -> Any:
+        raise NotImplementedError
+
+    def _matvec_flat(self, flat: Array) -> Array:
+        return self.space.flatten(self._matvec_tree(self.space.unflatten(flat)))
+
+    def mv(self, v: Any) -> Any:
+        """``K v`` for a parameter pytree, a flat vector or a ``(dim, k)`` matrix of column vectors."""
+        if isinstance(v, CurvatureOperator):
+            raise TypeError("`v` is an operator; use `K1 @ K2` for the product operator.")
+        if self.space.matches(v):
+            return self._matvec_tree(v)
+        if isinstance(v, (jax.Array, np.ndarray)) or hasattr(v, "shape"):
+            shape = tuple(np.shape(v))
+            if shape == (self.dim,):
+                return self._matvec_flat(jnp.asarray(v))
+            if len(shape) == 2 and shape[0] == self.dim:
+                return jax.vmap(self._matvec_flat, in_axes=1, out_axes=1)(jnp.asarray(v))
+            raise ValueError(f"`v` has shape {shape}; expected {self.space.describe()}.")
+        raise ValueError(f"`v` does not match the parameters: expected {self.space.describe()}, got {jax.tree_util.tree_structure(v)}.")
+
+    matvec = mv
+
+    def __matmul__(self, other: Any) -> Any:
+        if isinstance(other, CurvatureOperator):
+            return ProductOperator.of(self, other)
+        return self.mv(other)
+
+    @property
+    def T(self) -> "CurvatureOperator":
+        """The transposed operator (the operator itself when symmetric)."""
+        if self.is_symmetric:
+            return self
+        raise NotImplementedError(f"{type(self).__name__} has no transpose.")
+
+    # --- algebra ----------------------------------------------------------------------
+
+    def __mul__(self, scalar: Any) -> "CurvatureOperator":
+        if isinstance(scalar, CurvatureOperator):
+            raise TypeError("Use `K1 @ K2` for the product of two operators.")
+        if np.ndim(scalar) != 0:
+            raise ValueError(f"An operator can only be scaled by a scalar, got shape {np.shape(scalar)}.")
+        return ScaledOperator(jnp.asarray(scalar), self)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, scalar: Any) -> "CurvatureOperator":
+        return self * (1.0 / jnp.asarray(scalar))
+
+    def __neg__(self) -> "CurvatureOperator":
+        return self * -1.0
+
+    def __add__(self, other: Any) -> "CurvatureOperator":
+        if not isinstance(other, CurvatureOperator):
+            return NotImplemented
+        return SumOperator.of(self, other)
+
+    def __sub__(self, other: Any) -> "CurvatureOperator":
+        if not isinstance(other, CurvatureOperator):
+            return NotImplemented
+        return SumOperator.of(self, -other)
+
+    def damped(self, damping: Any) -> "CurvatureOperator":
+        """``K + damping I``."""
+        return self + check_damping(damping) * IdentityOperator(self.space)
+
+    # --- dense fallbacks ------------------------------------------------------------------
+
+    def to_dense(self) -> Array:
+        """The ``dim x dim`` matrix, column by column (``dim`` products, compiled once): small models only."""
+        return _to_dense_compiled(self)
+
+    def _to_dense_impl(self) -> Array:
+        return jax.vmap(self._matvec_flat, in_axes=1, out_axes=1)(jnp.eye(self.dim, dtype=self.dtype))
+
+    def _dense_for(self, what: str) -> Array:
+        if self.dim > DENSE_FALLBACK_LIMIT:
+            raise NotImplementedError(
+                f"{type(self).__name__}.{what}: no closed form for this operator, and its dense {self.dim}x{self.dim} "
+                f"matrix is above DENSE_FALLBACK_LIMIT={DENSE_FALLBACK_LIMIT}; use the matrix-free estimators in "
+                "curvax.operators (hutchinson_trace, hutchpp_diagonal, lanczos_eigenvalues ...)."
+            )
+        return self.to_dense()
+
+    def _dense_eigenvalues(self, what: str) -> Array:
+        m = self._dense_for(what)
+        if self.is_symmetric:
+            return jnp.linalg.eigvalsh((m + m.T) / 2)
+        raise NotImplementedError(f"{type(self).__name__}.{what}: the operator is not symmetric; use `to_dense()`.")
+
+    # --- spectral quantities (defaults: dense) -------------------------------------------
+
+    def diagonal(self) -> Array:
+        """The diagonal, as a flat vector (``space.unflatten`` gives the pytree)."""
+        return jnp.diagonal(self._dense_for("diagonal"))
+
+    def trace(self) -> Array:
+        return jnp.sum(self.diagonal())
+
+    def frobenius_norm(self) -> Array:
+        return jnp.linalg.norm(self._dense_for("frobenius_norm"))
+
+    def eigenvalues(self) -> Array:
+        """All eigenvalues, ascending (symmetric operators)."""
+        return self._dense_eigenvalues("eigenvalues")
+
+    def logdet(self, damping: Any = 0.0) -> Array:
+        """``log det(K + damping I)`` (``-inf`` when singular, ``nan`` when the determinant is negative)."""
+        d = check_damping(damping)
+        m = self._dense_for("logdet")
+        sign, value = jnp.linalg.slogdet(m + d * jnp.eye(self.dim, dtype=m.dtype))
+        return jnp.where(sign > 0, value, jnp.where(sign == 0, -jnp.inf, jnp.nan))
+
+    def det(self, damping: Any = 0.0) -> Array:
+        """``det(K + damping I)``."""
+        d = check_damping(damping)
+        m = self._dense_for("det")
+        return jnp.linalg.det(m + d * jnp.eye(self.dim, dtype=m.dtype))
+
+    def inverse(self, damping: Any = 0.0, exact: bool = True, min_damping: Any = 0.0) -> "CurvatureOperator":
+        """``(K + damping I)^-1`` as an operator (dense fallback for operators without a closed form)."""
+        if isinstance(damping, tuple):
+            raise TypeError(f"Per-factor (tuple) `damping` needs a Kronecker-factored operator, not {type(self).__name__}.")
+        d = check_damping(damping)
+        check_damping(min_damping, "min_damping")
+        m = self._dense_for("inverse")
+        m = m + d * jnp.eye(self.dim, dtype=m.dtype)
+        if is_concrete(m):
+            s = np.linalg.svd(np.asarray(m), compute_uv=False)
+            if s[-1] <= self.dim * np.finfo(s.dtype).eps * max(s[0], np.finfo(s.dtype).tiny):
+                raise ValueError(f"The operator plus `damping`={float(d)} I is singular; pass `damping` > 0.")
+        return DenseOperator(jnp.linalg.inv(m), self.space, symmetric=self.is_symmetric, psd=self.is_psd)
+
+    def power(self, p: Any) -> "CurvatureOperator":
+        """``K^p``: integer ``p >= 1`` as a product; other powers from the dense eigendecomposition."""
+        p = static_power(p)
+        if isinstance(p, int) and p >= 1:
+            return ProductOperator((self,) * p) if p > 1 else self
+        if not self.is_symmetric:
+            raise NotImplementedError(f"{type(self).__name__}.power({p}): only integer powers >= 1 of a non-symmetric operator.")
+        m = self._dense_for("power")
+        s, q = jnp.linalg.eigh((m + m.T) / 2)
+        return DenseOperator((q * s**p) @ q.T, self.space, symmetric=True, psd=True)
+
+
+@jax.jit
+def _to_dense_compiled(operator: CurvatureOperator) -> Array:
+    return operator._to_dense_impl()
+
+
+def _register(cls: type, data: Sequence[str], meta: Sequence[str]) -> type:
+    return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+
+
+def _same_space(ops: Sequence[CurvatureOperator]) -> ParameterSpace:
+    space = ops[0].space
+    for op in ops[1:]:
+        if op.space != space:
+            raise ValueError(
+                f"Operators act on different parameters: {space.treedef} {list(space.shapes)} vs "
+                f"{op.space.treedef} {list(op.space.shapes)}."
+            )
+    return space
+
+
+# ----------------------------------------------------------------------------------
+# Concrete simple operators
+# ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class DenseOperator(CurvatureOperator):
+    """An explicit ``dim x dim`` matrix (closed forms from the matrix itself)."""
+
+    matrix: Array
+    space: ParameterSpace
+    symmetric: bool = True
+    psd: bool = True
+
+    def __post_init__(self) -> None:
+        if tuple(np.shape(self.matrix)) != (self.space.dim, self.space.dim):
+            raise ValueError(f"`matrix` has shape {np.shape(self.matrix)}, expected {(self.space.dim,) * 2}.")
+
+    @property
+    def is_symmetric(self) -> bool:
+        return self.symmetric
+
+    @property
+    def is_psd(self) -> bool:
+        return self.psd
+
+    def _matvec_flat(self, flat: Array) -> Array:
+        return self.matrix @ flat
+
+    def _matvec_tree(self, tree: Any) -> Any:
+        return self.space.unflatten(self._matvec_flat(self.space.flatten(tree)))
+
+    def to_dense(self) -> Array:
+        return self.matrix
+
+    def _dense_for(self, what: str) -> Array:
+        return self.matrix
+
+    @property
+    def T(self) -> "DenseOperator":
+        return self if self.symmetric else DenseOperator(self.matrix.T, self.space, False, self.psd)
+
+
+_register(DenseOperator, ["matrix"], ["space", "symmetric", "psd"])
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class IdentityOperator(CurvatureOperator):
+    """The identity on the parameters."""
+
+    space: ParameterSpace
+
+    def _matvec_tree(self, tree: Any) -> Any:
+        return tree
+
+    def _matvec_flat(self, flat: Array) -> Array:
+        return flat
+
+    def diagonal(self) -> Array:
+        return jnp.ones(self.dim, self.dtype)
+
+    def trace(self) -> Array:
+        return jnp.asarray(self.dim, self.dtype)
+
+    def frobenius_norm(self) -> Array:
+        return jnp.sqrt(jnp.asarray(self.dim, self.dtype))
+
+    def eigenvalues(self) -> Array:
+        return jnp.ones(self.dim, self.dtype)
+
+    def logdet(self, damping: Any = 0.0) -> Array:
+        return self.dim * jnp.log1p(check_damping(damping).astype(self.dtype))
+
+    def det(self, damping: Any = 0.0) -> Array:
+        return jnp.exp(self.logdet(damping))
+
+    def inverse(self, damping: Any = 0.0, exact: bool = True, min_damping: Any = 0.0) -> CurvatureOperator:
+        return ScaledOperator(1.0 / (1.0 + check_damping(damping)), self)
+
+    def power(self, p: Any) -> CurvatureOperator:
+        static_power(p)
+        return self
+
+
+_register(IdentityOperator, [], ["space"])
+
+
+def identity(space_or_operator: Any) -> IdentityOperator:
+    """The identity on the parameters of an operator, a ``ParameterSpace`` or a parameter pytree."""
+    if isinstance(space_or_operator, CurvatureOperator):
+        return IdentityOperator(space_or_operator.space)
+    if isinstance(space_or_operator, ParameterSpace):
+        return IdentityOperator(space_or_operator)
+    return IdentityOperator(ParameterSpace.from_tree(space_or_operator))
+
+
+def dense(matrix: Any, params: Any, symmetric: bool = True, psd: bool = True) -> DenseOperator:
+    """An explicit matrix as an operator on parameters shaped like ``params``."""
+    space = params if isinstance(params, ParameterSpace) else ParameterSpace.from_tree(params)
+    return DenseOperator(jnp.asarray(matrix), space, bool(symmetric), bool(psd))
+
+
+# ----------------------------------------------------------------------------------
+# Composite operators
+# ----------------------------------------------------------------------------------
+
+
+def _positive_scale(scale: Array, what: str) -> None:
+    if is_concrete(scale) and not float(scale) > 0:
+        raise NotImplementedError(f"ScaledOperator.{what} has a closed form for positive scales only, got {float(scale)}.")
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class ScaledOperator(CurvatureOperator):
+    """``scale * K``. Spectral closed forms of ``K`` carry over (positive ``scale`` for logdet/inverse/power)."""
+
+    scale: Array
+    operator: CurvatureOperator
+
+    @property
+    def space(self) -> ParameterSpace:  # type: ignore[override]
+        return self.operator.space
+
+    @property
+    def is_symmetric(self) -> bool:
+        return self.operator.is_symmetric
+
+    @property
+    def is_psd(self) -> bool:
+        return self.operator.is_psd and is_concrete(self.scale) and float(self.scale) >= 0
+
+    def _matvec_tree(self, tree: Any) -> Any:
+        return jax.tree_util.tree_map(lambda x: (self.scale * x).astype(x.dtype), self.operator._matvec_tree(tree))
+
+    def _matvec_flat(self, flat: Array) -> Array:
+        return (self.scale * self.operator._matvec_flat(flat)).astype(flat.dtype)
+
+    @property
+    def T(self) -> CurvatureOperator:
+        return ScaledOperator(self.scale, self.operator.T)
+
+    def to_dense(self) -> Array:
+        return self.scale * self.operator.to_dense()
+
+    def diagonal(self) -> Array:
+        return self.scale * self.operator.diagonal()
+
+    def trace(self) -> Array:
+        return self.scale * self.operator.trace()
+
+    def frobenius_norm(self) -> Array:
+        return jnp.abs(self.scale) * self.operator.frobenius_norm()
+
+    def eigenvalues(self) -> Array:
+        return jnp.sort(self.scale * self.operator.eigenvalues())
+
+    def logdet(self, damping: Any = 0.0) -> Array:
+        # log det(s K + d I) = n log s + log det(K + (d / s) I) for s > 0.
+        _positive_scale(self.scale, "logdet")
+        d = check_damping(damping)
+        return self.dim * jnp.log(self.scale) + self.operator.logdet(d / self.scale)
+
+    def det(self, damping: Any = 0.0) -> Array:
+        return jnp.exp(self.logdet(damping))
+
+    def inverse(self, damping: Any = 0.0, exact: bool = True, min_damping: Any = 0.0) -> CurvatureOperator:
+        # (s K + d I)^-1 = s^-1 (K + (d / s) I)^-1 for s > 0.
+        # Per-factor dampings (and their floor) scale with sqrt(s): s (A + a I) (x) (G + g I) has
+        # factors sqrt(s) A + sqrt(s) a I and sqrt(s) G + sqrt(s) g I.
+        _positive_scale(self.scale, "inverse")
+        floor = check_damping(min_damping, "min_damping")
+        if isinstance(damping, tuple):
+            inner = tuple(check_damping(x, "damping") / jnp.sqrt(self.scale) for x in damping)
+        else:
+            inner = check_damping(damping) / self.scale
+        floor = floor / self.scale if exact else floor / jnp.sqrt(self.scale)
+        return ScaledOperator(1.0 / self.scale, self.operator.inverse(inner, exact, floor))
+
+    def power(self, p: Any) -> CurvatureOperator:
+        p = static_power(p)
+        if not (isinstance(p, int) and p >= 1):
+            _positive_scale(self.scale, "power")
+        return ScaledOperator(self.scale**p, self.operator.power(p))
+
+
+_register(ScaledOperator, ["scale", "operator"], [])
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class SumOperator(CurvatureOperator):
+    """``K_1 + ... + K_n``: products, diagonal and trace term by term; the rest dense."""
+
+    operators: tuple
+
+    @classmethod
+    def of(cls, *ops: CurvatureOperator) -> "SumOperator":
+        flat: list[CurvatureOperator] = []
+        for op in ops:
+            flat.extend(op.operators if isinstance(op, SumOperator) else (op,))
+        _same_space(flat)
+        return cls(tuple(flat))
+
+    @property
+    def space(self) -> ParameterSpace:  # type: ignore[override]
+        return self.operators[0].space
+
+    @property
+    def is_symmetric(self) -> bool:
+        return all(op.is_symmetric for op in self.operators)
+
+    @property
+    def is_psd(self) -> bool:
+        return all(op.is_psd for op in self.operators)
+
+    def _matvec_tree(self, tree: Any) -> Any:
+        outs = [op._matvec_tree(tree) for op in self.operators]
+        return jax.tree_util.tree_map(lambda *xs: sum(xs[1:], xs[0]), *outs)
+
+    def _matvec_flat(self, flat: Array) -> Array:
+        return sum((op._matvec_flat(flat) for op in self.operators[1:]), self.operators[0]._matvec_flat(flat))
+
+    @property
+    def T(self) -> CurvatureOperator:
+        return SumOperator(tuple(op.T for op in self.operators))
+
+    def diagonal(self) -> Array:
+        return sum((op.diagonal() for op in self.operators[1:]), self.operators[0].diagonal())
+
+    def trace(self) -> Array:
+        return sum((op.trace() for op in self.operators[1:]), self.operators[0].trace())
+
+
+_register(SumOperator, ["operators"], [])
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class ProductOperator(CurvatureOperator):
+    """``K_1 K_2 ... K_n`` (``K_n`` applied first): ``det``/``logdet`` multiply; the rest dense."""
+
+    operators: tuple
+
+    @classmethod
+    def of(cls, *ops: CurvatureOperator) -> "ProductOperator":
+        flat: list[CurvatureOperator] = []
+        for op in ops:
+            flat.extend(op.operators if isinstance(op, ProductOperator) else (op,))
+        _same_space(flat)
+        return cls(tuple(flat))
+
+    @property
+    def space(self) -> ParameterSpace:  # type: ignore[override]
+        return self.operators[0].space
+
+    @property
+    def is_symmetric(self) -> bool:
+        return len(set(map(id, self.operators))) == 1 and self.operators[0].is_symmetric
+
+    @property
+    def is_psd(self) -> bool:
+        return self.is_symmetric and (len(self.operators) % 2 == 0 or self.operators[0].is_psd)
+
+    def _matvec_tree(self, tree: Any) -> Any:
+        for op in reversed(self.operators):
+            tree = op._matvec_tree(tree)
+        return tree
+
+    def _matvec_flat(self, flat: Array) -> Array:
+        for op in reversed(self.operators):
+            flat = op._matvec_flat(flat)
+        return flat
+
+    @property
+    def T(self) -> CurvatureOperator:
+        return ProductOperator(tuple(op.T for op in reversed(self.operators)))
+
+    def logdet(self, damping: Any = 0.0) -> Array:
+        d = check_damping(damping)
+        if is_static_zero(d):
+            return sum((op.logdet() for op in self.operators[1:]), self.operators[0].logdet())
+        return super().logdet(d)
+
+    def det(self, damping: Any = 0.0) -> Array:
+        d = check_damping(damping)
+        if is_static_zero(d):
+            out = self.operators[0].det()
+            for op in self.operators[1:]:
+                out = out * op.det()
+            return out
+        return super().det(d)
+
+
+_register(ProductOperator, ["operators"], [])

@@ -1,0 +1,349 @@
+"""The operator of a block-diagonal curvature estimate (K-FAC, EKFAC, diagonal, full ... blocks).
+
+``from_estimator(estimator, state)`` is the matrix ``estimator.to_dense_matrix(state)`` as an
+operator. Every method works block by block through the blocks' own API
+(``multiply_matpower``, ``eigenvalues``, ``inverse_diagonal``) plus closed forms for
+Kronecker-factored blocks ``s A (x) G``: ``tr = s tr(A) tr(G)``, ``||.||_F = s ||A||_F ||G||_F``,
+eigenvalues ``s a_i g_j``. Nothing builds a ``dim x dim`` matrix unless ``to_dense()`` is called.
+
+Each block is represented in one of two forms:
+
+* exact: ``(C_b + w I)^p`` with the block's curvature ``C_b`` (any block type);
+* factored (Kronecker blocks only): ``(A' + d_A I)^p (x) (G' + d_G I)^p`` with
+  ``A' = sqrt(s) A`` and ``G' = sqrt(s) G``: per-factor damping, as in ``inverse(exact=False)``
+  (pi-adjusted, Martens & Grosse 2015 section 6.3; what kfac-jax's approximate inverse uses) or
+  a ``(d_A, d_G)`` tuple.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from curvax import blocks as blocks_lib
+from curvax import linalg
+from curvax.estimators import BlockDiagonalCurvature
+from curvax.operators.base import (
+    CurvatureOperator,
+    ParameterSpace,
+    _register,
+    check_damping,
+    is_concrete,
+    is_static_zero,
+    static_power,
+)
+
+Array = jax.Array
+
+EXACT = "exact"
+FACTORED = "factored"
+
+
+def _is_kronecker(block: Any) -> bool:
+    return isinstance(block, blocks_lib.TwoKroneckerFactored) and not isinstance(
+        block, blocks_lib.EigenvalueCorrectedKroneckerFactored
+    )
+
+
+def _scaled_factors(block: Any, state: Any) -> tuple[Array, Array]:
+    """``(sqrt(s) A, sqrt(s) G)``: the block's matrix is their Kronecker product."""
+    root = jnp.sqrt(jnp.asarray(block.scale(state, False), block.dtype))
+    a = linalg.symmetrize(state.inputs_factor.value)
+    g = linalg.symmetrize(state.outputs_factor.value)
+    return a * root, g * root
+
+
+def _damped_factors(block: Any, state: Any, damping: tuple[Array, Array]) -> tuple[Array, Array]:
+    a, g = _scaled_factors(block, state)
+    return a + damping[0] * jnp.eye(a.shape[0], dtype=a.dtype), g + damping[1] * jnp.eye(g.shape[0], dtype=g.dtype)
+
+
+def _pow(s: Array, p: Any) -> Array:
+    return linalg._pow(s, p)
+
+
+def _diag_of_power(m: Array, p: Any) -> Array:
+    """``diag(m^p)`` for a PSD ``m`` from its eigendecomposition (``diag(m)`` for ``p == 1``)."""
+    if p == 1:
+        return jnp.diagonal(m)
+    s, q = linalg.safe_psd_eigh(m)
+    return (q**2) @ _pow(s, p)
+
+
+def _parameter_space(estimator: BlockDiagonalCurvature) -> ParameterSpace:
+    pj = estimator.processed_jaxpr
+    avals = [pj.program.avals[pj.program.input_keys[pj.params_offset + i]] for i in range(pj.num_params)]
+    template = jax.tree_util.tree_unflatten(pj.params_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+    return ParameterSpace.from_tree(template)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class BlockDiagonalOperator(CurvatureOperator):
+    """A block-diagonal curvature ``(C + w I)^p`` (or per-factor damped Kronecker blocks).
+
+    Build it with ``from_estimator``; ``inverse``, ``power`` and ``damped`` return new ones.
+    ``dampings[i]`` is the block's ``w`` (exact form) or ``(d_A, d_G)`` (factored form).
+    """
+
+    state: Any
+    dampings: tuple
+    estimator: BlockDiagonalCurvature
+    space: ParameterSpace
+    modes: tuple
+    exponent: Any = 1
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _blocks(self) -> tuple:
+        return tuple(zip(self.estimator.blocks, self.state.blocks_states, self.dampings, self.modes))
+
+    def _to_tree(self, per_block: Any) -> Any:
+        return self.estimator.blocks_vectors_to_params_vector(per_block)
+
+    def _block_eigenvalues(self, b: Any, s: Any, w: Any, mode: str) -> Array:
+        if mode == FACTORED:
+            a, g = _damped_factors(b, s, w)
+            return jnp.outer(_pow(linalg.safe_eigvalsh(a), self.exponent), _pow(linalg.safe_eigvalsh(g), self.exponent)).ravel()
+        return _pow(jnp.ravel(b.eigenvalues(s, False)) + w, self.exponent)
+
+    # --- products -----------------------------------------------------------------------
+
+    def _matvec_tree(self, tree: Any) -> Any:
+        vecs = self.estimator.params_vector_to_blocks_vectors(tree)
+        out = []
+        p = self.exponent
+        for (b, s, w, mode), v in zip(self._blocks(), vecs):
+            if mode == EXACT:
+                out.append(b.multiply_matpower(s, v, w, p, True, False))
+                continue
+            a, g = _damped_factors(b, s, w)
+            m = b.parameters_shaped_list_to_array(v)
+            if p == 1:
+                r = a @ m @ g
+            elif p == -1:
+                r = linalg.kronecker_solve(a, g, m)
+            else:
+                r = linalg.psd_matrix_power(a, p) @ m @ linalg.psd_matrix_power(g, p)
+            out.append(tuple(x.astype(y.dtype) for x, y in zip(b.array_to_parameters_shaped_list(r), v)))
+        return self._to_tree(tuple(out))
+
+    # --- closed forms --------------------------------------------------------------------
+
+    def eigenvalues(self) -> Array:
+        """All eigenvalues, ascending (per block: the block's eigenvalues, damped and powered)."""
+        return jnp.sort(jnp.concatenate([self._block_eigenvalues(b, s, w, m) for b, s, w, m in self._blocks()]))
+
+    def trace(self) -> Array:
+        """``tr`` block by block; ``s tr(A) tr(G)`` (+ ``w dim``) for an undamped-power Kronecker block."""
+        total = jnp.zeros([], self.dtype)
+        for b, s, w, mode in self._blocks():
+            if mode == FACTORED:
+                a, g = _damped_factors(b, s, w)
+                if self.exponent == 1:
+                    total += jnp.trace(a) * jnp.trace(g)
+                else:
+                    total += jnp.sum(_pow(linalg.safe_eigvalsh(a), self.exponent)) * jnp.sum(_pow(linalg.safe_eigvalsh(g), self.exponent))
+            elif self.exponent == 1 and _is_kronecker(b):
+                a, g = _scaled_factors(b, s)
+                total += jnp.trace(a) * jnp.trace(g) + w * b.dim
+            else:
+                total += jnp.sum(self._block_eigenvalues(b, s, w, mode))
+        return total
+
+    def frobenius_norm(self) -> Array:
+        """``||.||_F``; ``||A'||_F ||G'||_F`` for an undamped Kronecker block (``+ 2 w tr + w^2 dim`` when damped)."""
+        total = jnp.zeros([], self.dtype)
+        for b, s, w, mode in self._blocks():
+            if mode == FACTORED:
+                ea, eg = (linalg.safe_eigvalsh(x) for x in _damped_factors(b, s, w))
+                total += jnp.sum(_pow(ea, 2 * self.exponent)) * jnp.sum(_pow(eg, 2 * self.exponent))
+            elif self.exponent == 1 and _is_kronecker(b):
+                a, g = _scaled_factors(b, s)
+                total += jnp.sum(a**2) * jnp.sum(g**2) + 2 * w * jnp.trace(a) * jnp.trace(g) + w**2 * b.dim
+            else:
+                total += jnp.sum(self._block_eigenvalues(b, s, w, mode) ** 2)
+        return jnp.sqrt(total)
+
+    def logdet(self, damping: Any = 0.0) -> Array:
+        """``log det(K + damping I)`` from the blocks' eigenvalues (``-inf`` when singular).
+
+        An undamped Kronecker block adds ``p (dim_G log det A' + dim_A log det G')``.
+        """
+        d = check_damping(damping)
+        total = jnp.zeros([], self.dtype)
+        for b, s, w, mode in self._blocks():
+            if mode == FACTORED and is_static_zero(d):
+                ea, eg = (linalg.safe_eigvalsh(x) for x in _damped_factors(b, s, w))
+                total += self.exponent * (eg.size * jnp.sum(jnp.log(ea)) + ea.size * jnp.sum(jnp.log(eg)))
+            else:
+                total += jnp.sum(jnp.log(self._block_eigenvalues(b, s, w, mode) + d))
+        return total
+
+    def det(self, damping: Any = 0.0) -> Array:
+        """``det(K + damping I) = exp(logdet)`` (overflows for large models: prefer ``logdet``)."""
+        return jnp.exp(self.logdet(damping))
+
+    def diagonal(self) -> Array:
+        """The diagonal as a flat vector: closed forms for Kronecker and diagonal blocks, the
+        blocks' ``inverse_diagonal`` for inverses, a block's dense matrix otherwise."""
+        out = []
+        p = self.exponent
+        for b, s, w, mode in self._blocks():
+            if mode == FACTORED:
+                a, g = _damped_factors(b, s, w)
+                out.append(b.array_to_parameters_shaped_list(jnp.outer(_diag_of_power(a, p), _diag_of_power(g, p))))
+            elif _is_kronecker(b):
+                a, g = _scaled_factors(b, s)
+                if p == 1:
+                    arr = jnp.outer(jnp.diagonal(a), jnp.diagonal(g)) + w
+                else:
+                    sa, qa = linalg.safe_psd_eigh(a)
+                    sg, qg = linalg.safe_psd_eigh(g)
+                    arr = (qa**2) @ _pow(jnp.outer(sa, sg) + w, p) @ (qg**2).T
+                out.append(b.array_to_parameters_shaped_list(arr))
+            elif isinstance(b, (blocks_lib.Diagonal, blocks_lib.ScaledIdentity)):
+                ones = tuple(jnp.ones(shape, b.dtype) for shape in b.parameters_shapes)
+                out.append(b.multiply_matpower(s, ones, w, p, True, False))
+            elif p == -1:
+                out.append(b.inverse_diagonal(s, w))
+            else:
+                eye = jnp.eye(b.dim, dtype=b.dtype)
+                sizes = np.cumsum([int(math.prod(sh)) for sh in b.parameters_shapes])[:-1]
+
+                def col(e: Array, b=b, s=s, w=w) -> Array:
+                    parts = [x.reshape(sh) for x, sh in zip(jnp.split(e, sizes), b.parameters_shapes)]
+                    return jnp.concatenate([jnp.ravel(x) for x in b.multiply_matpower(s, parts, w, p, True, False)])
+
+                diag = jnp.diagonal(jax.vmap(col, in_axes=1, out_axes=1)(eye))
+                out.append(tuple(x.reshape(sh) for x, sh in zip(jnp.split(diag, sizes), b.parameters_shapes)))
+        return self.space.flatten(self._to_tree(tuple(out)))
+
+    # --- new operators --------------------------------------------------------------------
+
+    def _replace(self, **changes: Any) -> "BlockDiagonalOperator":
+        return dataclasses.replace(self, **changes)
+
+    def damped(self, damping: Any) -> CurvatureOperator:
+        """``K + damping I`` (closed forms kept when ``K`` is an exact-form operator with power 1)."""
+        d = check_damping(damping)
+        if self.exponent == 1 and all(m == EXACT for m in self.modes):
+            return self._replace(dampings=tuple(w + d for w in self.dampings))
+        return super().damped(d)
+
+    def power(self, p: Any) -> "BlockDiagonalOperator":
+        """``K^p`` for any real static ``p`` (block by block, exactly)."""
+        return self._replace(exponent=static_power(self.exponent * static_power(p, "p"), "p"))
+
+    def inverse(self, damping: Any = 0.0, exact: bool = True, min_damping: Any = 0.0) -> "BlockDiagonalOperator":
+        """``(K + damping I)^-1`` block by block.
+
+        ``exact=True``: the exact inverse of every damped block (``damping`` a scalar; raised to
+        ``min_damping``). ``exact=False`` (on the undamped ``K``): Kronecker blocks invert
+        ``(A' + d_A I) (x) (G' + d_G I)`` with ``d_A = max(pi sqrt(damping), min_damping)``,
+        ``d_G = max(sqrt(damping) / pi, min_damping)``, ``pi = sqrt((tr A'/dim_A) / (tr G'/dim_G))``
+        (pi-adjusted damping, as kfac-jax's approximate inverse), or ``(d_A, d_G) = damping`` when
+        a tuple is given (each raised to ``min_damping``); other blocks are inverted exactly.
+        A singular result (zero damping on a singular block) raises a ValueError when the values
+        are concrete; under ``jit`` it gives ``inf``.
+        """
+        floor = check_damping(min_damping, "min_damping")
+        if isinstance(damping, (tuple, list)):
+            if exact:
+                raise ValueError("A per-factor `damping` tuple (d_A, d_G) needs `exact=False`; exact damping is one scalar.")
+            if len(damping) != 2:
+                raise ValueError(f"A per-factor `damping` must be a pair (d_A, d_G), got {len(damping)} values.")
+            pair = (check_damping(damping[0], "damping[0]"), check_damping(damping[1], "damping[1]"))
+            d = None
+        else:
+            d = check_damping(damping)
+            pair = None
+        if exact:
+            d = jnp.maximum(d, floor) if not is_static_zero(floor) else d
+            dampings = []
+            for b, s, w, mode in self._blocks():
+                if self.exponent != 1 or mode == FACTORED:
+                    if not is_static_zero(d):
+                        raise NotImplementedError(
+                            "inverse(damping > 0) of a powered or factor-damped operator has no closed form; "
+                            "call `inverse` on the undamped operator."
+                        )
+                    dampings.append(w)
+                else:
+                    dampings.append(w + d)
+            new = self._replace(dampings=tuple(dampings), exponent=static_power(-self.exponent))
+        else:
+            if self.exponent != 1 or any(m != EXACT for m in self.modes):
+                raise ValueError("inverse(exact=False) applies to an operator of power 1 without factor damping.")
+            dampings, modes = [], []
+            for b, s, w, _ in self._blocks():  # a damped K + w I: w joins the damping
+                if pair is None:
+                    d_b = d + w
+                elif not is_static_zero(w):
+                    raise ValueError("A per-factor `damping` tuple needs the undamped operator.")
+                if _is_kronecker(b):
+                    if pair is not None:
+                        da, dg = pair
+                    else:
+                        a, g = _scaled_factors(b, s)
+                        na, ng = linalg.average_trace(a), linalg.average_trace(g)
+                        ok = jnp.logical_and(na > 0, ng > 0)
+                        pi = jnp.sqrt(jnp.where(ok, na, 1.0) / jnp.where(ok, ng, 1.0))
+                        root = jnp.sqrt(d_b)
+                        da, dg = root * pi, root / pi
+                    dampings.append((jnp.maximum(da, floor), jnp.maximum(dg, floor)))
+                    modes.append(FACTORED)
+                else:
+                    if pair is not None:
+                        raise ValueError(
+                            f"A per-factor `damping` tuple needs Kronecker-factored blocks, but {b.name} is a "
+                            f"{type(b).__name__}; pass a scalar `damping`."
+                        )
+                    dampings.append(jnp.maximum(d_b, floor))
+                    modes.append(EXACT)
+            new = self._replace(dampings=tuple(dampings), modes=tuple(modes), exponent=-1)
+        new._check_invertible()
+        return new
+
+    def _check_invertible(self) -> None:
+        """Raises for a negative power of a singular block when the values are known now."""
+        if self.exponent >= 0 or not is_concrete((self.state, self.dampings)):
+            return
+        for b, s, w, mode in self._blocks():
+            zero = all(is_static_zero(x) for x in (w if mode == FACTORED else (w,)))
+            if not zero:
+                continue
+            if mode == EXACT:
+                ev = np.asarray(jnp.ravel(b.eigenvalues(s, False)))
+            else:
+                ev = np.concatenate([np.asarray(linalg.safe_eigvalsh(x)) for x in _damped_factors(b, s, w)])
+            top = float(np.max(np.abs(ev))) if ev.size else 0.0
+            if ev.size and float(np.min(ev)) <= ev.size * np.finfo(ev.dtype).eps * max(top, np.finfo(ev.dtype).tiny):
+                raise ValueError(
+                    f"Block {b.name} ({type(b).__name__}) is singular (smallest eigenvalue {float(np.min(ev)):.3g}) and "
+                    "the `damping` is 0: pass `damping` > 0 to invert it."
+                )
+
+
+_register(BlockDiagonalOperator, ["state", "dampings"], ["estimator", "space", "modes", "exponent"])
+
+
+def from_estimator(estimator: BlockDiagonalCurvature, state: Any) -> BlockDiagonalOperator:
+    """The operator of a ``BlockDiagonalCurvature`` state: ``estimator.to_dense_matrix(state)``, matrix-free."""
+    if not isinstance(estimator, BlockDiagonalCurvature):
+        raise TypeError(f"`estimator` must be a curvax BlockDiagonalCurvature, got {type(estimator).__name__}.")
+    if estimator.blocks is None:
+        raise ValueError("`estimator` has no blocks yet: call its `init` (or `finalize`) with example arguments.")
+    states = getattr(state, "blocks_states", None)
+    if states is None or len(states) != estimator.num_blocks:
+        raise ValueError(
+            f"`state` must be the estimator's state (a BlockDiagonalState with {estimator.num_blocks} block states), "
+            f"got {type(state).__name__}."
+        )
+    n = estimator.num_blocks
+    zero = jnp.zeros([], jnp.result_type(*[b.dtype for b in estimator.blocks]))
+    return BlockDiagonalOperator(state, (zero,) * n, estimator, _parameter_space(estimator), (EXACT,) * n, 1)
