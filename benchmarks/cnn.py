@@ -73,11 +73,14 @@ def adam_runner(batch: Any, lr: float, seed: int) -> tuple[Any, Any]:
     return step, (params, tx.init(params))
 
 
-def kfac_runner(batch: Any, seed: int, value_and_grad: Any = None, params: Any = None) -> tuple[Any, Any]:
+def kfac_runner(
+    batch: Any, seed: int, value_and_grad: Any = None, params: Any = None, staggered: bool = False
+) -> tuple[Any, Any]:
+    """curvax adaptive K-FAC; ``staggered`` spreads the inverse refresh over the period."""
     opt = curvax.Optimizer(
         value_and_grad_func=value_and_grad or jax.value_and_grad(loss_fn),
         l2_reg=1e-5, use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
-        initial_damping=1.0, num_burnin_steps=2, inverse_update_period=5,
+        initial_damping=1.0, num_burnin_steps=2, inverse_update_period=5, inverse_update_staggered=staggered,
     )
     params = init_params(jax.random.PRNGKey(seed)) if params is None else params
     rng = jax.random.PRNGKey(seed + 1)
@@ -128,6 +131,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--adam-lrs", type=float, nargs="+", default=[1e-3, 3e-3])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--staggered", action="store_true",
+                   help="also run curvax_adaptive_staggered (inverse_update_staggered=True)")
     p.add_argument("--output", default="benchmarks/results/cnn.json")
     args = p.parse_args(argv)
     if args.quick:
@@ -144,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {}
     runs = [(f"adam_lr{lr:g}", lambda lr=lr: adam_runner(batch, lr, args.seed)) for lr in args.adam_lrs]
     runs.append(("curvax_adaptive", lambda: kfac_runner(batch, args.seed)))
+    if args.staggered:
+        runs.append(("curvax_adaptive_staggered", lambda: kfac_runner(batch, args.seed, staggered=True)))
     for name, make in runs:
         t0 = time.perf_counter()
         step, carry = make()

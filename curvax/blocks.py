@@ -1168,7 +1168,7 @@ class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
 
     @register_state_class
     class State(CurvatureBlock.State):
-        """``inputs_factor`` (A) and ``outputs_factor`` (G): ``WeightedMovingAverage``s."""
+        """``inputs_factor`` (A) and ``outputs_factor`` (G): ``WeightedMovingAverage`` objects."""
 
         inputs_factor: WeightedMovingAverage
         outputs_factor: WeightedMovingAverage

@@ -46,6 +46,44 @@ def check_estimation_mode(mode: str, arg_name: str = "estimation_mode") -> str:
     return mode
 
 
+def _statistics_leaves(block_state: Any) -> list[Any]:
+    """The arrays of a block state that statistics updates write: every leaf but the ``cache``."""
+    if dataclasses.is_dataclass(block_state) and not isinstance(block_state, type):
+        return [
+            leaf for f in dataclasses.fields(block_state) if f.name != "cache"
+            for leaf in jax.tree_util.tree_leaves(getattr(block_state, f.name))
+        ]
+    return jax.tree_util.tree_leaves(block_state)
+
+
+def statistics_are_finite(state: Any, pmap_axis_name: str | None = None) -> jax.Array:
+    """One boolean scalar: every curvature statistic of ``state`` (caches excluded) is finite.
+
+    ``state`` is a ``BlockDiagonalState`` (or one block's state). Inside a ``pmap`` over
+    ``pmap_axis_name`` the answer is reduced over the devices (all must be finite), so that
+    every device takes the same decision.
+    """
+    blocks_states = state.blocks_states if isinstance(state, BlockDiagonalState) else (state,)
+    flags = [jnp.all(jnp.isfinite(x)) for s in blocks_states for x in _statistics_leaves(s)
+             if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    finite = jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+    if utils.in_pmap(pmap_axis_name):
+        finite = jax.lax.pmin(finite.astype(jnp.int32), pmap_axis_name).astype(bool)
+    return finite
+
+
+def keep_finite_statistics(old: Any, new: Any, pmap_axis_name: str | None = None) -> tuple[Any, jax.Array]:
+    """``(new, False)`` when ``new``'s statistics are all finite, else ``(old, True)``.
+
+    The guard that keeps one non-finite batch (a NaN example, an overflow) from poisoning a
+    moving average for good: the whole update is dropped, not just its bad entries. On finite
+    statistics ``new`` comes back unchanged (a select, bit for bit).
+    """
+    finite = statistics_are_finite(new, pmap_axis_name)
+    kept = jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+    return kept, jnp.logical_not(finite)
+
+
 def loss_cotangents(losses: Sequence[Any], rng: jax.Array, mode: str) -> tuple[tuple[jax.Array, ...], ...]:
     """One cotangent per loss input whose outer product estimates the loss curvature.
 
@@ -155,6 +193,17 @@ def _prepare_estimator_args(generation: str, named: dict) -> dict:
     return named
 
 
+def _refresh_cost(block: Any) -> int:
+    """Static cost estimate of one block's cache refresh (see ``block_refresh_costs``)."""
+    if isinstance(block, StackedBlock):
+        return block.length * _refresh_cost(block.inner)
+    if isinstance(block, blocks_lib.TwoKroneckerFactored):
+        return int(block.input_size()) ** 3 + int(block.output_size()) ** 3
+    if isinstance(block, blocks_lib.Full):
+        return int(block.dim) ** 3
+    return int(block.dim)
+
+
 def _update_block(block: Any, state: Any, data: Any, ema_old: Any, ema_new: Any, batch_size: Any, pmap_axis_name: Any, identity_weight: Any) -> Any:
     """``block.update_curvature_matrix_estimate`` with every argument named, so that a block
     written for either kfac-jax generation gets what it asks for (``curvax._generations``)."""
@@ -179,6 +228,13 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
     ``update_curvature_matrix_estimate`` accepts both kfac-jax argument orders
     (documented and v0.0.8, see ``curvax._generations``): every subclass's override is
     wrapped so that it is called by keyword in the generation its signature names.
+
+    Args:
+      func: the model's value function, called as ``func(*func_args)``; it must register its
+        losses (``curvax.register_*_loss``) and may return the loss alone or with extra outputs.
+      params_index: position of the parameters in ``func_args``. Default 0.
+      default_estimation_mode: the estimation mode used when an update names none (see
+        ``ESTIMATION_MODES``). Default ``"fisher_gradients"``.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -208,33 +264,83 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
 
     @abc.abstractmethod
     def init(self, rng, func_args, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues=False) -> Any:
-        """The initial state."""
+        """The initial state, with empty statistics, for the model traced at ``func_args``.
+
+        Args:
+          rng: a PRNG key for the state's initialisation.
+          func_args: example arguments of ``func`` (shapes matter, values do not).
+          exact_powers_to_cache: matrix powers whose exact products ``update_cache`` will keep.
+          approx_powers_to_cache: matrix powers whose approximate products it will keep.
+          cache_eigenvalues: whether it will keep the eigenvalues too.
+        """
 
     @abc.abstractmethod
     def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power, exact_power, use_cached, pmap_axis_name=None) -> Any:
-        """``(C + identity_weight I)^power v``."""
+        """``(C + identity_weight I)^power v``, shaped like the parameters.
+
+        Args:
+          state: the estimator's state.
+          parameter_structured_vector: ``v``, a pytree shaped like the parameters.
+          identity_weight: the weight of the identity added to ``C`` (damping).
+          power: the matrix power, e.g. 1, -1 or -0.5.
+          exact_power: compute the power exactly rather than with the cheaper approximation.
+          use_cached: read what ``update_cache`` stored rather than use the live statistics.
+          pmap_axis_name: the ``pmap`` axis, where the estimator needs one.
+        """
 
     def multiply(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None, **kwargs: Any) -> Any:
-        """``(C + identity_weight I) v``; ``kwargs`` as for ``multiply_matpower``."""
+        """``(C + identity_weight I) v``: ``multiply_matpower`` with ``power=1``.
+
+        ``state``, ``parameter_structured_vector``, ``identity_weight``, ``exact_power``,
+        ``use_cached`` and ``pmap_axis_name`` are those of ``multiply_matpower``; ``kwargs``
+        accepts kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block=None`` only (any
+        other value raises ``NotImplementedError``).
+        """
         _check_no_block_norm(kwargs)
         return self.multiply_matpower(state, parameter_structured_vector, identity_weight, 1, exact_power, use_cached, pmap_axis_name)
 
     def multiply_inverse(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None, **kwargs: Any) -> Any:
-        """``(C + identity_weight I)^-1 v``; ``kwargs`` as for ``multiply_matpower``."""
+        """``(C + identity_weight I)^-1 v``: ``multiply_matpower`` with ``power=-1``.
+
+        ``state``, ``parameter_structured_vector``, ``identity_weight``, ``exact_power``,
+        ``use_cached`` and ``pmap_axis_name`` are those of ``multiply_matpower``; ``kwargs``
+        accepts kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block=None`` only (any
+        other value raises ``NotImplementedError``).
+        """
         _check_no_block_norm(kwargs)
         return self.multiply_matpower(state, parameter_structured_vector, identity_weight, -1, exact_power, use_cached, pmap_axis_name)
 
     @abc.abstractmethod
     def eigenvalues(self, state, use_cached) -> jax.Array:
-        """Eigenvalues of the estimated matrix."""
+        """Eigenvalues of the estimated (undamped) matrix in ``state``; from the cache if ``use_cached``."""
 
     @abc.abstractmethod
     def update_curvature_matrix_estimate(self, state, ema_old, ema_new, batch_size, rng, func_args, pmap_axis_name=None, estimation_mode=None) -> Any:
-        """Folds a new estimate from ``func_args`` into the moving average."""
+        """Folds a new estimate from ``func_args`` into the moving average; returns the new state.
+
+        Args:
+          state: the estimator's state.
+          ema_old: the weight of the current average.
+          ema_new: the weight of the new batch's estimate.
+          batch_size: the number of examples in ``func_args``' batch.
+          rng: a PRNG key for sampled estimation modes.
+          func_args: the arguments of ``func`` for this batch.
+          pmap_axis_name: the ``pmap`` axis, where the estimator needs one.
+          estimation_mode: overrides ``default_estimation_mode`` for this update.
+        """
 
     @abc.abstractmethod
     def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues, pmap_axis_name=None) -> Any:
-        """Refreshes cached matrix powers/eigenvalues."""
+        """Recomputes the cached matrix powers and eigenvalues from the statistics; returns the new state.
+
+        Args:
+          state: the estimator's state.
+          identity_weight: the damping the approximate powers are computed with.
+          exact_powers: the exact powers to recompute.
+          approx_powers: the approximate powers to recompute.
+          eigenvalues: whether to recompute the eigenvalues.
+          pmap_axis_name: the ``pmap`` axis, where the estimator needs one.
+        """
 
 
 @jax.tree_util.register_dataclass
@@ -246,7 +352,41 @@ class BlockDiagonalState:
 
 
 class BlockDiagonalCurvature(CurvatureEstimator):
-    """A block-diagonal curvature estimate: one block per detected layer."""
+    """A block-diagonal curvature estimate: one block per detected layer.
+
+    ``C`` approximates the Fisher or GGN of ``func``'s mean loss with one block per layer
+    (Kronecker-factored for dense and convolution layers, diagonal for generic parameters, or
+    whatever ``layer_tag_to_block_ctor`` names). Typical use: ``state = est.init(rng,
+    func_args)``, then ``est.update_curvature_matrix_estimate(...)`` per batch, and products
+    with ``multiply``/``multiply_inverse``/``multiply_matpower``, optionally from a cache
+    refreshed by ``update_cache``. The blocks are built at the first ``init``/``finalize``,
+    from one trace of ``func``; every later batch must give the same layers.
+
+    Args:
+      func: the model's value function, called as ``func(*func_args)``; it must register its
+        losses (``curvax.register_*_loss``); its return value may be the loss alone or a tuple
+        starting with it.
+      params_index: position of the parameters in ``func_args``. Default 0.
+      default_estimation_mode: the mode an update uses when it names none: one of
+        ``ESTIMATION_MODES``. Default ``"fisher_gradients"``.
+      layer_tag_to_block_ctor: maps a layer tag's name (``"dense"``, ``"conv2d"``, ... with or
+        without kfac-jax's ``_tag`` suffix) or a layer variant (``"repeated_dense"``) to the
+        block class for such layers, instead of the defaults
+        (``curvax.set_default_tag_to_block_ctor``). Default None.
+      index_to_block_ctor: maps the tuple of flat parameter indices of one layer (see
+        ``params_structure_vector_of_indices``) to its block class; checked before
+        ``layer_tag_to_block_ctor``. Default None.
+      auto_register_tags: detect layers automatically. False keeps only the layers registered
+        by hand (``curvax.register_dense`` etc.); every other parameter gets a generic block.
+        Default True.
+      distributed_multiplies: kfac-jax compatibility, accepted and unused. Default True.
+      distributed_cache_updates: kfac-jax compatibility, accepted and unused. Default True.
+      auto_register_kwargs: further options of the layer detection: ``register_only_generic``
+        (generic blocks for everything not registered by hand), ``patterns_to_skip`` (pattern
+        names not to match, see ``curvax.detection.known_pattern_names()``) and
+        ``graph_patterns`` (``curvax.patterns.GraphPattern`` objects replacing the built-in
+        patterns).
+    """
 
     State = BlockDiagonalState
 
@@ -272,7 +412,15 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     # --- structure ----------------------------------------------------------------
 
     def finalize(self, func_args: Sequence[Any]) -> None:
-        """Traces ``func`` on ``func_args`` and builds the blocks (once)."""
+        """Traces ``func`` on ``func_args`` and builds the blocks (once; later calls only trace).
+
+        Args:
+          func_args: example arguments of ``func`` (only their shapes and dtypes matter).
+
+        Raises:
+          ValueError: when ``func`` registers no loss, or a trace at other shapes finds other
+            layers than the first.
+        """
         pj = self._cache.get(func_args)
         if self._blocks is not None:
             return
@@ -291,7 +439,11 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     def block_ctor_for(self, eqn: tags.LayerTagEqn) -> Callable[..., Any]:
         """The block constructor for a layer: by its variant (``eqn.variant``, e.g.
         ``"repeated_dense"``), then by its tag's name; ``layer_tag_to_block_ctor`` first,
-        then the defaults (``set_default_tag_to_block_ctor``)."""
+        then the defaults (``set_default_tag_to_block_ctor``).
+
+        Args:
+          eqn: the layer's tag equation (one of ``processed_jaxpr.layer_tags``).
+        """
         tag_name = eqn.primitive.name
         variant = getattr(eqn, "variant", tag_name)
         names = (variant, tag_name) if variant != tag_name else (tag_name,)
@@ -309,6 +461,15 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         if self._blocks is None:
             raise RuntimeError("The estimator is not initialized yet: call `init` (or `finalize`) with example arguments.")
 
+    def _check_state(self, state: Any) -> None:
+        """A clear error unless ``state`` is this estimator's state (from its ``init``)."""
+        states = getattr(state, "blocks_states", None)
+        if not isinstance(states, (tuple, list)) or len(states) != len(self._blocks):  # type: ignore[arg-type]
+            raise ValueError(
+                f"`state` must be this estimator's state (a BlockDiagonalState with {len(self._blocks)} block "  # type: ignore[arg-type]
+                f"states, from its `init`), got {type(state).__name__}."
+            )
+
     @property
     def processed_jaxpr(self) -> ProcessedJaxpr:
         """The traced function the blocks were built from; raises ``RuntimeError`` before ``init``/``finalize``."""
@@ -320,6 +481,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
         Every trace must find the same layers and losses as the first, so the blocks built
         from the first apply to all; a batch of another size gets its own trace.
+
+        Args:
+          func_args: arguments of ``func`` (only their shapes and dtypes matter).
         """
         self.finalize(func_args)
         return self._cache.get(func_args)
@@ -375,7 +539,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     def params_vector_to_blocks_vectors(self, parameter_structured_vector: Any) -> tuple[tuple[jax.Array, ...], ...]:
         """Splits a parameter-shaped pytree into one tuple of arrays per block.
 
-        Raises ``ValueError`` if its structure or a leaf's shape differs from the parameters'.
+        ``parameter_structured_vector`` must have the parameters' structure and leaf shapes
+        (``ValueError`` otherwise); each block's tuple lists its parameters in its tag's order.
         """
         pj = self.processed_jaxpr
         leaves, tree = jax.tree_util.tree_flatten(parameter_structured_vector)
@@ -391,7 +556,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         return tuple(tuple(leaves[i] for i in idx) for idx in pj.layer_indices)
 
     def blocks_vectors_to_params_vector(self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Any:
-        """Inverse of ``params_vector_to_blocks_vectors``: per-block arrays back to a parameter-shaped pytree."""
+        """Inverse of ``params_vector_to_blocks_vectors``: per-block arrays back to a parameter-shaped pytree.
+
+        ``blocks_vectors`` holds one tuple of arrays per block, in block order.
+        """
         pj = self.processed_jaxpr
         flat: list[Any] = [None] * pj.num_params
         for idx, vecs in zip(pj.layer_indices, blocks_vectors):
@@ -409,6 +577,25 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     # --- state ----------------------------------------------------------------------
 
     def init(self, rng, func_args, exact_powers_to_cache=None, approx_powers_to_cache=None, cache_eigenvalues=False) -> BlockDiagonalState:
+        """Builds the blocks (``finalize``) and returns their initial state, statistics empty.
+
+        Args:
+          rng: a PRNG key, split into one key per block.
+          func_args: example arguments of ``func``, e.g. ``(params, batch)``; only their shapes
+            and dtypes matter here.
+          exact_powers_to_cache: a matrix power or a sequence of them (e.g. -1) whose exact
+            products ``update_cache`` will store, for ``multiply_matpower(...,
+            exact_power=True, use_cached=True)``. None: none.
+          approx_powers_to_cache: likewise for the approximate products (for Kronecker blocks,
+            the factored-damping inverse), read with ``exact_power=False, use_cached=True``.
+            None: none.
+          cache_eigenvalues: whether ``update_cache`` also stores the eigenvalues, for
+            ``eigenvalues(..., use_cached=True)``. Default False.
+
+        Returns:
+          A ``BlockDiagonalState`` with one state per block (zero-weight averages). Reading a
+          cached power that was not requested here raises an error naming the argument.
+        """
         self.finalize(func_args)
         keys = jax.random.split(rng, self.num_blocks)
         return BlockDiagonalState(
@@ -419,7 +606,13 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         )
 
     def update_blocks(self, state: BlockDiagonalState, layer_data: Sequence[dict], ema_old: Any, ema_new: Any, batch_size: Any, pmap_axis_name: str | None = None, identity_weight: Any = 0.0) -> BlockDiagonalState:
-        """Feeds per-layer estimation data to each block (each device's own; ``sync`` averages them)."""
+        """Feeds per-layer estimation data to each block (each device's own; ``sync`` averages them).
+
+        The low-level step of ``update_curvature_matrix_estimate``: ``layer_data`` holds one
+        estimation-data dict per block, in block order; ``state``, ``ema_old``, ``ema_new``,
+        ``batch_size``, ``pmap_axis_name`` and ``identity_weight`` are handed to each block's
+        ``update_curvature_matrix_estimate``.
+        """
         return BlockDiagonalState(
             tuple(
                 _update_block(b, s, d, ema_old, ema_new, batch_size, pmap_axis_name, identity_weight)
@@ -433,12 +626,50 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     ) -> BlockDiagonalState:
         """Folds a new estimate from ``func_args`` into the moving average.
 
+        Runs ``func`` forward once, draws loss cotangents by the estimation mode, propagates
+        them back to every layer and updates each block. Each block's average becomes
+        ``(ema_old * W * old + ema_new * estimate) / (ema_old * W + ema_new)``, ``W`` being its
+        accumulated weight: ``(0, 1)`` replaces it by this batch's estimate, ``(1, 1)`` keeps
+        a running mean with equal weights, ``(ema, 1)`` an exponential moving average.
+        Jit-compatible (``batch_size`` may be a static int or an array).
+
         Also callable with kfac-jax v0.0.8's argument order ``(state, ema_old, ema_new,
         identity_weight, batch_size, rng, func_args, estimation_mode, pmap_axis_name)``
-        (see ``curvax._generations``); ``identity_weight`` reaches blocks whose update
-        takes one (v0.0.8-style blocks) and is otherwise unused.
+        (see ``curvax._generations``).
+
+        Args:
+          state: the ``BlockDiagonalState`` from ``init`` or a previous update.
+          ema_old: the weight of the current average (see above).
+          ema_new: the weight of this batch's estimate.
+          batch_size: the number of examples in the batch of ``func_args``: the estimate is
+            the sum over examples divided by it, i.e. the curvature of the mean loss.
+          rng: a PRNG key for the sampled modes (``fisher_gradients``, ``*_curvature_prop``);
+            unused by the others.
+          func_args: the arguments of ``func`` for this batch, e.g. ``(params, batch)``.
+          pmap_axis_name: the ``pmap`` axis the call runs under, handed to the blocks; each
+            device keeps its own statistics until ``sync`` averages them. Default None.
+          estimation_mode: this update's mode (one of ``ESTIMATION_MODES``); None uses
+            ``default_estimation_mode``. ``*_exact`` modes loop over every column of the loss
+            curvature's factor and give the exact block-diagonal of the Fisher or GGN.
+          identity_weight: reaches blocks whose update takes one (v0.0.8-style blocks) and is
+            otherwise unused. Default 0.0.
+
+        Returns:
+          The updated ``BlockDiagonalState``.
         """
-        pj = self.processed_jaxpr_for(func_args)
+        finalized = self._blocks is not None
+        try:
+            pj = self.processed_jaxpr_for(func_args)
+        except Exception as e:
+            if not finalized:
+                raise  # the first trace: the user's function's own error
+            shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(func_args)]
+            raise ValueError(
+                f"Tracing the function on `func_args` (leaf shapes {shapes}) failed ({type(e).__name__}: {e}); "
+                "the blocks were built from arguments of other shapes. Pass arguments shaped like those given "
+                "to `init`/`finalize` (the batch size may differ)."
+            ) from e
+        self._check_state(state)
         mode = check_estimation_mode(estimation_mode or self.default_estimation_mode)
         p, o = pj.split_args(func_args)  # type: ignore[union-attr]
         eps = pj.zero_perturbations(p, o)  # type: ignore[union-attr]
@@ -455,6 +686,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
     def _update_from_cotangents(self, state, losses, data_for, rng, mode, ema_old, ema_new, batch_size, pmap_axis_name, identity_weight=0.0):
         """Updates every block; ``data_for(cotangents)`` gives per-layer data (``None``: forward only)."""
+        if isinstance(batch_size, (int, np.integer)) and not isinstance(batch_size, bool) and batch_size <= 0:
+            raise ValueError(f"`batch_size` must be positive (an empty batch has no statistics), got {batch_size}.")
         if mode == "forward_only":
             new = self.update_blocks(state, data_for(None), ema_old, ema_new, batch_size, pmap_axis_name, identity_weight)
             return BlockDiagonalState(tuple(self._forward_only(b, s) for b, s in zip(self._blocks, new.blocks_states)))  # type: ignore[arg-type]
@@ -488,8 +721,25 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         )
 
     def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues, pmap_axis_name=None, **kwargs: Any) -> BlockDiagonalState:
-        """Refreshes each block's cache. kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block``
-        keyword is accepted only as None (not supported)."""
+        """Refreshes each block's cache from its current statistics; returns the new state.
+
+        The expensive part of preconditioning (eigendecompositions, factor inverses), run every
+        few steps so that ``multiply_matpower(..., use_cached=True)`` is cheap in between.
+
+        Args:
+          state: the ``BlockDiagonalState``.
+          identity_weight: the damping baked into the approximate powers (a scalar, or one
+            per block). Exact powers come from damping-free eigendecompositions and take the
+            damping given at multiplication time instead.
+          exact_powers: the exact powers to recompute (a power, a sequence, or None); they
+            must have been requested at ``init``.
+          approx_powers: likewise for the approximate powers.
+          eigenvalues: whether to recompute the cached eigenvalues.
+          pmap_axis_name: kfac-jax compatibility, unused (every device refreshes its own).
+          kwargs: kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block`` is accepted
+            only as None; another value raises ``NotImplementedError``, another keyword
+            ``TypeError``.
+        """
         _check_no_block_norm(kwargs)
         self._require_finalized()
         weights = self._per_block(identity_weight, "identity_weight")
@@ -500,13 +750,107 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             )
         )
 
+    # --- staggered refresh (ours) ---------------------------------------------------------
+
+    def block_refresh_costs(self) -> tuple[int, ...]:
+        """A static estimate of each block's ``update_cache`` cost (ours): the sum of ``n**3``
+        over the sides ``n`` of the matrices it factorizes (both factors of a Kronecker block,
+        the whole matrix of a full block), the dimension for diagonal blocks; times the
+        number of slices of a stacked block. Used to balance ``refresh_phases``."""
+        self._require_finalized()
+        return tuple(_refresh_cost(b) for b in self._blocks)  # type: ignore[union-attr]
+
+    def refresh_phases(self, period: int) -> tuple[int, ...]:
+        """Each block's phase in a staggered refresh of period ``period`` (ours).
+
+        Block ``i`` recomputes its cache at the steps ``t`` with ``t % period == phases[i]``
+        (and at step 0, when every block does), so each step of a period pays for about
+        ``1 / period`` of the inverses instead of one step paying for all. Blocks are dealt
+        largest first (``block_refresh_costs``) to the phase with the least cost so far; ties
+        go to the lowest phase. A pure function of the block structure: the schedule is
+        static, so one compiled step serves every phase.
+        """
+        period = utils.check_int(period, "period", 1)
+        costs = self.block_refresh_costs()
+        load = [0] * period
+        phases = [0] * len(costs)
+        for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+            p = min(range(period), key=lambda q: (load[q], q))
+            phases[i] = p
+            load[p] += costs[i]
+        return tuple(phases)
+
+    def blocks_refreshed_at(self, step: int, period: int) -> tuple[int, ...]:
+        """Indices of the blocks whose cache ``update_cache_staggered`` recomputes at ``step`` (ours).
+
+        ``step`` is a non-negative Python int (every block at step 0); ``period`` the refresh
+        period, as for ``refresh_phases``.
+        """
+        step = utils.check_int(step, "step", 0)
+        phases = self.refresh_phases(period)
+        return tuple(i for i, p in enumerate(phases) if step == 0 or step % period == p)
+
+    def update_cache_staggered(
+        self, state: BlockDiagonalState, step: Any, period: int, identity_weight: Any, exact_powers: Any,
+        approx_powers: Any, eigenvalues: bool,
+    ) -> BlockDiagonalState:
+        """``update_cache`` for the blocks due at ``step`` only (ours; see ``refresh_phases``).
+
+        ``step`` may be traced: each block's refresh sits in its own ``lax.cond``, so the
+        compiled program holds every block's refresh once (as the plain refresh does) and
+        runs only the due ones. A block refreshed here gets exactly the cache ``update_cache``
+        would give it from the same statistics and ``identity_weight``.
+
+        Args:
+          state: the ``BlockDiagonalState``.
+          step: the step number (an int or a traced integer scalar); every block is due at 0.
+          period: the refresh period (positive int); block ``i`` is due when ``step % period
+            == refresh_phases(period)[i]``.
+          identity_weight: the damping baked into approximate powers, as for ``update_cache``.
+          exact_powers: the exact powers to recompute, as for ``update_cache``.
+          approx_powers: the approximate powers to recompute, as for ``update_cache``.
+          eigenvalues: whether to recompute cached eigenvalues, as for ``update_cache``.
+        """
+        self._require_finalized()
+        period = utils.check_int(period, "period", 1)
+        phases = self.refresh_phases(period)
+        weights = self._per_block(identity_weight, "identity_weight")
+        step = jnp.asarray(step)
+        out = []
+        for b, s, w, phase in zip(self._blocks, state.blocks_states, weights, phases):  # type: ignore[arg-type]
+            due = jnp.logical_or(step == 0, step % period == phase)
+            refresh = lambda s, b=b, w=w: b.update_cache(s, w, exact_powers, approx_powers, eigenvalues)
+            out.append(jax.lax.cond(due, refresh, lambda s: s, s))
+        return BlockDiagonalState(tuple(out))
+
     # --- products -----------------------------------------------------------------------
 
     def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power, exact_power, use_cached, pmap_axis_name=None, **kwargs: Any) -> Any:
-        """``(C + identity_weight I)^power v``, block by block. kfac-jax v0.0.8's
-        ``norm_to_scale_identity_weight_per_block`` keyword is accepted only as None."""
+        """``(C + identity_weight I)^power v``, block by block, shaped like the parameters.
+
+        Args:
+          state: the ``BlockDiagonalState``.
+          parameter_structured_vector: ``v``, a pytree with the parameters' structure and shapes.
+          identity_weight: the damping added to ``C`` (a scalar, or one per block). Ignored by
+            approximate powers read from the cache, which use the damping of ``update_cache``.
+          power: the matrix power, e.g. 1, -1 or -0.5 (static).
+          exact_power: True computes the power of ``C + identity_weight I`` exactly (through
+            eigendecompositions for Kronecker blocks); False allows the block's cheaper
+            approximation (factored damping for Kronecker blocks). Static.
+          use_cached: True reads what ``update_cache`` last stored (a power the block cannot
+            serve from its cache, e.g. 1, is computed live; others must have been requested at
+            ``init``, or a ``ValueError`` says so); False computes from the current statistics.
+            Static.
+          pmap_axis_name: kfac-jax compatibility, unused.
+          kwargs: kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block`` is accepted
+            only as None; another value raises ``NotImplementedError``.
+
+        Returns:
+          A pytree shaped like the parameters.
+        """
         _check_no_block_norm(kwargs)
         self._require_finalized()
+        self._check_state(state)
         vecs = self.params_vector_to_blocks_vectors(parameter_structured_vector)
         weights = self._per_block(identity_weight, "identity_weight")
         out = tuple(
@@ -518,7 +862,12 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     def block_eigenvalues(self, state, use_cached) -> tuple[jax.Array, ...]:
         """Each block's eigenvalues; a Kronecker block's as the ``(input_size, output_size)``
         outer product of its factors' eigenvalues (kfac-jax's shape; ``block.eigenvalues``
-        gives the same numbers flattened)."""
+        gives the same numbers flattened).
+
+        ``state`` is the ``BlockDiagonalState``; ``use_cached`` reads the eigenvalues stored by
+        ``update_cache`` (requested with ``init(..., cache_eigenvalues=True)``) instead of
+        computing them from the statistics. Undamped.
+        """
         self._require_finalized()
         out = []
         for b, s in zip(self._blocks, state.blocks_states):  # type: ignore[arg-type]
@@ -532,12 +881,19 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         return tuple(out)
 
     def eigenvalues(self, state, use_cached) -> jax.Array:
+        """All eigenvalues of the block-diagonal ``C`` (undamped), block after block, in one vector.
+
+        ``state`` is the ``BlockDiagonalState``; ``use_cached`` as for ``block_eigenvalues``.
+        Their count is ``dim``; ``curvax.laplace.log_determinant`` sums their logarithms.
+        """
         return jnp.concatenate([jnp.ravel(e) for e in self.block_eigenvalues(state, use_cached)])
 
     def inverse_diagonal(self, state: BlockDiagonalState, identity_weight: Any) -> Any:
         """The diagonal of ``(C + identity_weight I)^-1``, structured like the parameters (ours).
 
-        Exact for the block-diagonal ``C``, block by block (``CurvatureBlock.inverse_diagonal``).
+        Exact for the block-diagonal ``C``, block by block (``CurvatureBlock.inverse_diagonal``),
+        from the current statistics of ``state``; ``identity_weight`` is the damping added to
+        ``C`` (a scalar, or one per block).
         """
         self._require_finalized()
         weights = self._per_block(identity_weight, "identity_weight")
@@ -550,7 +906,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         """Averages every block's statistics over the devices of a ``pmap`` over ``pmap_axis_name``.
 
         Outside such a ``pmap`` (or with ``None``) the state is returned unchanged, as in
-        kfac-jax v0.0.8 (whose tests call it under a plain ``jit``).
+        kfac-jax v0.0.8 (whose tests call it under a plain ``jit``). ``state`` is the
+        ``BlockDiagonalState``; the caches are not averaged (refresh them after syncing).
         """
         self._require_finalized()
         if not utils.in_pmap(pmap_axis_name):
@@ -574,13 +931,17 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
         As in kfac-jax, a block's parameters appear in their canonical order (ascending
         flat index, ``block.parameters_canonical_order``), not in the tag's order that
-        ``block.to_dense_matrix`` uses.
+        ``block.to_dense_matrix`` uses. ``state`` is the ``BlockDiagonalState``.
         """
         self._require_finalized()
         return tuple(_canonical_dense(b, s) for b, s in zip(self._blocks, state.blocks_states))  # type: ignore[arg-type]
 
     def to_dense_matrix(self, state) -> jax.Array:
-        """The block-diagonal matrix in the flat parameter order (leaves in pytree order)."""
+        """The block-diagonal matrix ``C`` of ``state`` as a dense ``dim x dim`` array (undamped).
+
+        Rows and columns follow the flat parameter order: leaves in pytree order, each
+        flattened in C order. Memory is ``dim**2``: for small models and tests.
+        """
         self._require_finalized()
         pj = self._pj
         sizes = [int(np.prod(pj.program.avals[pj.program.input_keys[pj.params_offset + i]].shape)) for i in range(pj.num_params)]  # type: ignore[union-attr]
@@ -601,6 +962,26 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     contribution is the outer product of its (sampled, or in exact modes
     column-by-column) loss gradients. With ``fisher_exact``/``ggn_exact`` this is
     exactly ``(1/B) sum_n J_n^T M_n J_n``. Memory is ``dim**2``: small models only.
+    Layers are not detected: all parameters form the one block. The methods are those of
+    ``BlockDiagonalCurvature``, with a single block.
+
+    Args:
+      func: the model's value function, called as ``func(*func_args)``; it must register its
+        losses and must accept a batch of one example (it is evaluated example by example).
+      params_index: position of the parameters in ``func_args``. Default 0.
+      batch_index: position of the batch in ``func_args``; its leaves' leading axis is the
+        example axis that updates loop over. Default 1.
+      default_estimation_mode: the mode an update uses when it names none. Default
+        ``"fisher_exact"``.
+      layer_tag_to_block_ctor: only its ``"generic"`` entry is used: the class of the single
+        full block (default ``curvax.curvature_blocks.NaiveFull``). Default None.
+      index_to_block_ctor: kfac-jax compatibility, accepted and unused. Default None.
+      auto_register_tags: kfac-jax compatibility, accepted and unused (no layer detection).
+        Default True.
+      param_order: kfac-jax v0.0.8: a permutation of the flat parameter indices giving the
+        order of ``to_dense_matrix``'s rows, e.g. another estimator's ``param_order``; None
+        keeps the pytree leaf order. Default None.
+      auto_register_kwargs: kfac-jax compatibility, accepted and unused.
     """
 
     def __init__(
@@ -645,7 +1026,7 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         return np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in self.param_order] or [np.zeros(0, int)])
 
     def to_diagonal_block_dense_matrix(self, state: BlockDiagonalState) -> tuple[jax.Array, ...]:
-        """The one dense matrix (in ``param_order``), as a 1-tuple (kfac-jax v0.0.8 name)."""
+        """The one dense matrix of ``state`` (in ``param_order``), as a 1-tuple (kfac-jax v0.0.8 name)."""
         return (self.to_dense_matrix(state),)
 
     @property
@@ -654,6 +1035,10 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         return self._batch_index
 
     def finalize(self, func_args: Sequence[Any]) -> None:
+        """Traces ``func`` on ``func_args`` and builds the single full block (once).
+
+        ``func_args``: example arguments of ``func`` (only shapes and dtypes matter).
+        """
         pj = self._cache.get(func_args)
         if self._blocks is not None:
             return
@@ -668,7 +1053,11 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         self._all_indices = (tuple(range(pj.num_params)),)
 
     def params_vector_to_blocks_vectors(self, parameter_structured_vector: Any) -> tuple[tuple[jax.Array, ...], ...]:
-        """A parameter-shaped pytree as a 1-tuple holding all its leaves (the single block's vector)."""
+        """``parameter_structured_vector`` (a parameter-shaped pytree) as a 1-tuple holding all its leaves.
+
+        The single block's vector, leaves in pytree order; ``ValueError`` if the structure
+        differs from the parameters'.
+        """
         self._require_finalized()
         leaves, tree = jax.tree_util.tree_flatten(parameter_structured_vector)
         if tree != self._pj.params_tree:  # type: ignore[union-attr]
@@ -676,7 +1065,10 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         return (tuple(leaves),)
 
     def blocks_vectors_to_params_vector(self, blocks_vectors: Sequence[Sequence[jax.Array]]) -> Any:
-        """Inverse of ``params_vector_to_blocks_vectors``: the single block's arrays as a parameter-shaped pytree."""
+        """Inverse of ``params_vector_to_blocks_vectors``: the single block's arrays as a parameter-shaped pytree.
+
+        ``blocks_vectors`` is a 1-tuple holding the one block's arrays, in leaf order.
+        """
         return jax.tree_util.tree_unflatten(self._pj.params_tree, list(blocks_vectors[0]))  # type: ignore[union-attr]
 
     @property
@@ -691,7 +1083,7 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         return jax.tree_util.tree_unflatten(pj.params_tree, [0] * pj.num_params)
 
     def to_dense_matrix(self, state) -> jax.Array:
-        """The ``dim x dim`` curvature, parameters in ``param_order`` (default: pytree leaf order)."""
+        """The ``dim x dim`` curvature of ``state``, parameters in ``param_order`` (default: pytree leaf order)."""
         self._require_finalized()
         m = self._blocks[0].to_dense_matrix(state.blocks_states[0])  # type: ignore[index]
         if self._param_order is None:
@@ -702,6 +1094,26 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
     def update_curvature_matrix_estimate(
         self, state, ema_old, ema_new, batch_size, rng, func_args, pmap_axis_name=None, estimation_mode=None
     ) -> BlockDiagonalState:
+        """Folds the full curvature of the batch in ``func_args`` into the moving average.
+
+        Loops over the examples of ``func_args[batch_index]`` (``jax.lax.fori_loop``), adding
+        each one's contribution divided by the batch's size; the weights ``ema_old`` and
+        ``ema_new`` act as in ``BlockDiagonalCurvature.update_curvature_matrix_estimate``.
+
+        Args:
+          state: the state from ``init`` or a previous update.
+          ema_old: the weight of the current average.
+          ema_new: the weight of this batch's estimate.
+          batch_size: kfac-jax compatibility, unused: the size comes from the batch's leading
+            axis.
+          rng: a PRNG key for sampled modes, folded with each example's index.
+          func_args: the arguments of ``func``; the batch sits at ``batch_index``.
+          pmap_axis_name: handed to the block, as for ``BlockDiagonalCurvature``. Default None.
+          estimation_mode: this update's mode; None uses ``default_estimation_mode``.
+
+        Returns:
+          The updated state.
+        """
         self.finalize(func_args)
         mode = check_estimation_mode(estimation_mode or self.default_estimation_mode)
         func_args = tuple(func_args)
@@ -754,6 +1166,18 @@ class ImplicitExactCurvature:
     ``multiply_fisher`` likewise with the loss Fisher, ``multiply_hessian`` the
     Hessian of the registered losses' total divided by ``B``; factor products
     satisfy ``C v = factor(factor_transpose(v))``.
+
+    Every method takes ``func_args``, the arguments of ``func`` for one batch (e.g. ``(params,
+    batch)``), and traces ``func`` there; vectors named ``parameter_structured_vector`` are
+    pytrees shaped like the parameters, and per-loss vectors are tuples with one entry per
+    registered loss, in registration order.
+
+    Args:
+      func: the model's value function, called as ``func(*func_args)``; it must register its
+        losses (``curvax.register_*_loss``).
+      params_index: position of the parameters in ``func_args``. Default 0.
+      batch_size_extractor: ``f(batch) -> B``, applied to the last of ``func_args``. Default:
+        the leading size of the batch's first leaf.
     """
 
     def __init__(self, func: Callable[..., Any], params_index: int = 0, batch_size_extractor: Callable[[Any], Any] = utils.default_batch_size_extractor):
@@ -771,11 +1195,18 @@ class ImplicitExactCurvature:
         return self._batch_size_extractor(func_args[-1])
 
     def multiply_jacobian(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> tuple:
-        """``J v``: the Jacobian-vector product of the registered losses' inputs, one tuple per loss."""
+        """``J v``: the Jacobian-vector product of the registered losses' inputs, one tuple per loss.
+
+        ``v`` is ``parameter_structured_vector``; ``J`` is taken at ``func_args``.
+        """
         return self._jvp(func_args, parameter_structured_vector)[1]
 
     def multiply_jacobian_transpose(self, func_args: Sequence[Any], loss_input_vectors: Sequence[Sequence[Any]]) -> Any:
-        """``J^T u``: maps per-loss input vectors (one tuple per loss) to a parameter-shaped pytree."""
+        """``J^T u``: maps per-loss input vectors (one tuple per loss) to a parameter-shaped pytree.
+
+        ``u`` is ``loss_input_vectors``, shaped like each loss's inputs; ``J`` is taken at
+        ``func_args``.
+        """
         return self._vjp(func_args)[1](loss_input_vectors)
 
     def _scaled(self, func_args: Sequence[Any], tree: Any, power: float) -> Any:
@@ -788,15 +1219,24 @@ class ImplicitExactCurvature:
         return self._scaled(func_args, self.multiply_jacobian_transpose(func_args, mv), 1.0)
 
     def multiply_fisher(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> Any:
-        """``F v = J^T F_L J v / B``, the Fisher-vector product of the mean loss."""
+        """``F v = J^T F_L J v / B``, the Fisher-vector product of the mean loss.
+
+        ``v`` is ``parameter_structured_vector``; everything is evaluated at ``func_args``.
+        """
         return self._multiply(func_args, parameter_structured_vector, "fisher")
 
     def multiply_ggn(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> Any:
-        """``G v = J^T G_L J v / B``, the Gauss-Newton-vector product of the mean loss."""
+        """``G v = J^T G_L J v / B``, the Gauss-Newton-vector product of the mean loss.
+
+        ``v`` is ``parameter_structured_vector``; everything is evaluated at ``func_args``.
+        """
         return self._multiply(func_args, parameter_structured_vector, "ggn")
 
     def multiply_hessian(self, func_args: Sequence[Any], parameter_structured_vector: Any) -> Any:
-        """The Hessian-vector product of the registered losses' total, divided by ``B``."""
+        """The Hessian-vector product of the registered losses' total, divided by ``B``.
+
+        The vector is ``parameter_structured_vector``; the Hessian is taken at ``func_args``.
+        """
         hv, _ = self._hvp(func_args, parameter_structured_vector)
         return self._scaled(func_args, hv, 1.0)
 
@@ -813,29 +1253,49 @@ class ImplicitExactCurvature:
         return self._scaled(func_args, self.multiply_jacobian_transpose(func_args, vecs), 0.5)
 
     def multiply_fisher_factor_transpose(self, func_args, parameter_structured_vector) -> tuple:
-        """``L^T J v / sqrt(B)``, one inner vector per loss, where ``F_L = L L^T`` is the loss Fisher's factor."""
+        """``L^T J v / sqrt(B)``, one inner vector per loss, where ``F_L = L L^T`` is the loss Fisher's factor.
+
+        ``v`` is ``parameter_structured_vector``; everything is evaluated at ``func_args``.
+        """
         return self._factor_transpose(func_args, parameter_structured_vector, "fisher")
 
     def multiply_ggn_factor_transpose(self, func_args, parameter_structured_vector) -> tuple:
-        """``L^T J v / sqrt(B)``, one inner vector per loss, where ``G_L = L L^T`` is the loss GGN's factor."""
+        """``L^T J v / sqrt(B)``, one inner vector per loss, where ``G_L = L L^T`` is the loss GGN's factor.
+
+        ``v`` is ``parameter_structured_vector``; everything is evaluated at ``func_args``.
+        """
         return self._factor_transpose(func_args, parameter_structured_vector, "ggn")
 
     def multiply_fisher_factor(self, func_args, loss_inner_vectors) -> Any:
-        """``J^T L u / sqrt(B)``: per-loss inner vectors ``u`` to a parameter-shaped pytree (``F_L = L L^T``)."""
+        """``J^T L u / sqrt(B)``: per-loss inner vectors ``u`` to a parameter-shaped pytree (``F_L = L L^T``).
+
+        ``u`` is ``loss_inner_vectors`` (shapes from ``get_loss_inner_vector_shapes_and_batch_size``);
+        everything is evaluated at ``func_args``.
+        """
         return self._factor(func_args, loss_inner_vectors, "fisher")
 
     def multiply_ggn_factor(self, func_args, loss_inner_vectors) -> Any:
-        """``J^T L u / sqrt(B)``: per-loss inner vectors ``u`` to a parameter-shaped pytree (``G_L = L L^T``)."""
+        """``J^T L u / sqrt(B)``: per-loss inner vectors ``u`` to a parameter-shaped pytree (``G_L = L L^T``).
+
+        ``u`` is ``loss_inner_vectors`` (shapes from ``get_loss_inner_vector_shapes_and_batch_size``);
+        everything is evaluated at ``func_args``.
+        """
         return self._factor(func_args, loss_inner_vectors, "ggn")
 
     def get_loss_inner_vector_shapes_and_batch_size(self, func_args, mode: str) -> tuple[tuple, Any]:
-        """The shape of each loss's factor inner vector for ``mode`` (``"fisher"`` or ``"ggn"``), and ``B``."""
+        """The shape of each loss's factor inner vector for ``mode`` (``"fisher"`` or ``"ggn"``), and ``B``.
+
+        Both for the batch in ``func_args``.
+        """
         if mode not in ("fisher", "ggn"):
             raise ValueError(f"`mode` must be 'fisher' or 'ggn', got {mode!r}.")
         losses, _ = self._vjp(func_args)
         return tuple(tuple(getattr(l, f"{mode}_factor_inner_shape")) for l in losses), self.batch_size(func_args)
 
     def get_loss_input_shapes_and_batch_size(self, func_args) -> tuple[tuple, Any]:
-        """The shapes of each loss's parameter-dependent inputs (one tuple per loss), and ``B``."""
+        """The shapes of each loss's parameter-dependent inputs (one tuple per loss), and ``B``.
+
+        Both for the batch in ``func_args``.
+        """
         losses, _ = self._vjp(func_args)
         return tuple(tuple(tuple(x.shape) for x in l.parameter_dependants) for l in losses), self.batch_size(func_args)

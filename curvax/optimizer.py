@@ -19,6 +19,7 @@ One step, compiled once (periodic work is ``lax.cond`` inside it):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -33,6 +34,12 @@ from curvax import _compat, estimators, gradients, parallel, utils
 from curvax.transforms import assemble_layer_data, zero_tangents
 
 logger = logging.getLogger("curvax")
+
+# A finite loss this many times larger in magnitude than the first finite loss (or than 1) is
+# reported as diverging (``stats["loss_diverged"]`` and a warning in the "curvax" log).
+DIVERGENCE_FACTOR = 1e3
+# How many steps' reports may wait for their device results before ``step`` waits for the oldest.
+_REPORT_BACKLOG = 8
 
 
 # kfac-jax 0.0.8's name for the argument tuples of the value function (compatibility only):
@@ -50,7 +57,10 @@ class OptimizerState:
 
     velocities: the last update ``theta_t - theta_{t-1}``; estimator_state: the
     curvature blocks; damping: current damping; data_seen: examples processed;
-    step_counter: the step number.
+    step_counter: the step number; curvature_updates_skipped: statistics updates dropped
+    because they were not finite; updates_skipped: parameter updates skipped because the
+    loss, gradient or update was not finite; first_loss: the first finite loss (NaN before),
+    the reference of the divergence check.
     """
 
     velocities: Any
@@ -58,6 +68,10 @@ class OptimizerState:
     damping: jax.Array
     data_seen: jax.Array
     step_counter: jax.Array
+    # Ours, with defaults so that kfac-jax's five-field construction still works.
+    curvature_updates_skipped: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros([], jnp.int32))
+    updates_skipped: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros([], jnp.int32))
+    first_loss: jax.Array = dataclasses.field(default_factory=lambda: jnp.asarray(jnp.nan, jnp.float32))
 
 
 def _as_float(x: Any, name: str) -> jax.Array:
@@ -73,25 +87,262 @@ def _as_float(x: Any, name: str) -> jax.Array:
 class Optimizer:
     """The K-FAC optimizer (Martens & Grosse, 2015), drop-in for ``kfac_jax.Optimizer``.
 
-    Every documented constructor argument is accepted. Two arguments are ours, both off by default:
+    Usage: ``opt = Optimizer(jax.value_and_grad(loss_fn), l2_reg=...)``, then ``state =
+    opt.init(params, rng, batch)`` once and ``params, state, stats = opt.step(params, state,
+    rng, batch=batch, ...)`` per step. Each step computes the gradient ``g`` (the one
+    ``value_and_grad_func`` returns), folds the batch into the block-diagonal curvature estimate
+    ``C`` (one block per detected layer, see ``registration_table``), and moves the parameters
+    by ``delta = -lr * (C + (l2_reg + damping) I)^-1 g + momentum * previous_delta``.
 
-    - ``curvature_update_period`` (default 1) updates the curvature statistics only on steps
-      ``t % period == 0``; the other steps skip the sampled backward pass and the factor products
-      and precondition with the statistics they have. ``curvature_ema`` then decays per update,
-      not per step.
-    - ``curvature_batch_fraction`` (default 1.0) estimates the curvature on a random
-      ``ceil(fraction * n)`` examples of each batch of ``n``, drawn anew every step: the
-      statistics (burn-in included) and the exact quadratic model's curvature products
-      ``v^T C w`` of the adaptive learning rate and momentum. The gradient, the loss and the
-      damping's reduction ratio keep the whole batch. The curvature work shrinks with the
-      fraction, at the price of a separate forward pass on the sub-batch.
+    Every constructor argument of kfac-jax's documented API (in its positional order) and of
+    kfac-jax 0.0.8 (its additions keyword-only here) is accepted. kfac-jax 0.0.8
+    arguments that curvax does not implement accept their default only and raise
+    ``NotImplementedError`` for anything else, rather than being ignored silently.
+    ``curvature_batch_fraction`` is curvax's own.
 
-    ``multi_device=True`` is kfac-jax's ``pmap`` mode, kept for code written against it (on
-    several devices ``jax.sharding`` needs no special mode: see ``curvax.parallel``). Every array
-    passed to ``init``/``step`` carries a leading axis of ``jax.local_device_count()``; the step
-    runs under ``jax.pmap(axis_name=pmap_axis_name)``, averages the loss, gradient, aux, curvature
-    statistics, exact quadratic model and the damping's new loss over that axis, and returns
-    stats with the axis. ``debug`` does not apply in this mode (the step is always pmapped).
+    **The value_and_grad_func contract.** It is called as ``value_and_grad_func(params,
+    [func_state], [rng], batch)`` (``func_state`` only with ``value_func_has_state``, ``rng``
+    only with ``value_func_has_rng``, in that order) and returns ``(value, grads)``, the way
+    ``jax.value_and_grad(loss_fn, has_aux=...)`` does:
+
+    - ``value`` is the scalar ``loss`` when neither ``value_func_has_aux`` nor
+      ``value_func_has_state``; ``(loss, aux)`` with ``value_func_has_aux`` only; ``(loss,
+      new_func_state)`` with ``value_func_has_state`` only; ``(loss, (new_func_state, aux))``
+      with both. ``aux`` is any pytree (returned in ``stats["aux"]``); ``new_func_state`` is
+      returned by ``step`` and passed to the next one.
+    - ``grads`` is the gradient of ``loss`` with respect to ``params``, with their structure.
+      This gradient is the one the step uses. When ``init`` proves that curvax's own
+      linearized forward pass computes the same gradient (``shares_gradient_pass``), the step
+      takes it from that pass instead of calling the function again; otherwise it calls
+      ``value_and_grad_func`` every step.
+    - The function must register its loss: inside the computation of ``loss`` (the function
+      being differentiated, or ``value_func_for_estimator`` when given), call a
+      ``curvax.register_*_loss`` on the model's output (logits, predictions), e.g.
+      ``register_softmax_cross_entropy_loss(logits, labels)``. Registrations made outside it
+      are not seen, and ``init`` raises ``ValueError`` when none is found. ``loss`` is expected
+      to be a mean over the batch's examples; a registered loss with weight ``w`` stands for
+      ``w`` times the per-example loss averaged over the batch, so scale ``weight`` to match
+      any other normalisation (e.g. by sequence length). Regularisers in ``loss`` are not
+      registered; tell the optimizer about an L2 term through ``l2_reg``.
+
+    The layers are found by tracing the value function (``jax.make_jaxpr``) at ``init``; it
+    need not be jitted, since the optimizer compiles the whole step once.
+
+    **Statistics.** ``step`` returns a dict of scalar arrays (``aux`` excepted; with a leading
+    device axis under ``multi_device``). Values not computed on a step are nan.
+
+    - ``step``: the step counter after this step (1 after the first step).
+    - ``batch_size``: examples in this step's batch (summed over the devices under
+      ``multi_device``).
+    - ``data_seen``: examples processed so far, this step's included (burn-in excluded; summed
+      over the devices under ``multi_device``).
+    - ``loss``: the loss at the parameters before the update.
+    - ``new_loss``: the loss on the same batch after the update, computed only on the steps where
+      adaptive damping adapts (nan otherwise).
+    - ``learning_rate``: the coefficient ``lr`` of ``-lr * preconditioned gradient`` actually
+      applied (given, scheduled or adaptive; 0 when the update was skipped). ``norm_constraint``
+      rescales the preconditioned gradient, not this coefficient.
+    - ``momentum``: the coefficient of the previous update actually applied (0 when skipped).
+    - ``damping``: the damping used in this step (before adaptive damping moves it).
+    - ``rho``: the reduction ratio ``(new_loss - loss) / quad_model_change`` of adaptive damping,
+      on adapting steps (nan otherwise; -100 when it is not finite).
+    - ``quad_model_change``: the change of loss the quadratic model predicts for the update:
+      every step with an adaptive learning rate or momentum, on adapting steps with adaptive
+      damping, nan otherwise.
+    - ``update_skipped``: True when the loss, the preconditioned gradient or the coefficients
+      were not finite; the parameters were then left unchanged and the velocity reset to zero.
+    - ``updates_skipped``: how many steps so far skipped their update (a running count kept in
+      the state).
+    - ``curvature_update_skipped``: True when this step's curvature statistics came out
+      non-finite (e.g. a NaN example); that statistics update was dropped and the previous
+      statistics kept.
+    - ``curvature_updates_skipped``: how many statistics updates were dropped so far (burn-in
+      included; a running count kept in the state).
+    - ``loss_diverged``: True when the loss is finite but more than ``DIVERGENCE_FACTOR`` (1e3)
+      times the magnitude of the first finite loss (or of 1, if larger). A report only:
+      nothing is changed.
+    - ``scaled_grad_norm_sq``: only with ``norm_constraint``: ``lr**2 * g^T (C + (l2_reg +
+      damping) I)^-1 g`` before the rescaling.
+    - ``aux``: only with ``value_func_has_aux``: the ``aux`` output of the value function (averaged
+      over devices under ``multi_device``).
+    - ``param_norm``, ``grad_norm``, ``precon_grad_norm``, ``update_norm``: only with
+      ``include_norms_in_stats``: Euclidean norms of the parameters before the update, the
+      gradient, the preconditioned gradient and the update.
+    - ``param_norm(<path>)``, ``grad_norm(<path>)``, ``precon_grad_norm(<path>)``,
+      ``update_norm(<path>)``: only with ``include_per_param_norms_in_stats``: the same norms
+      for each parameter leaf, ``<path>`` being its ``/``-joined pytree path (e.g.
+      ``update_norm(dense/w)``).
+
+    Skipped updates, dropped statistics and a diverging loss are also logged as warnings on the
+    ``"curvax"`` logger, a few steps later at most (the step never waits for the device).
+
+    **kfac-jax's pmap mode.** ``multi_device=True`` is kept for code written against kfac-jax
+    (on several devices ``jax.sharding`` needs no special mode: see ``curvax.parallel``). Every
+    array passed to ``init``/``step`` carries a leading axis of ``jax.local_device_count()``;
+    the step runs under ``jax.pmap(axis_name=pmap_axis_name)``, averages the loss, gradient,
+    aux, curvature statistics, exact quadratic model and the damping's new loss over that axis,
+    and returns stats with the axis. ``debug`` does not apply in this mode (the step is always
+    pmapped).
+
+    Args:
+      value_and_grad_func: the user's function returning ``(value, grads)``; see the contract
+        above. Required.
+      l2_reg: the coefficient ``c`` of an L2 term ``c/2 * sum(params**2)`` that the user's loss
+        already contains (the optimizer does not add it). It is added to the curvature's
+        diagonal, together with the damping, in the preconditioner and the quadratic model.
+        Non-negative; required.
+      value_func_has_aux: whether the function's value carries an ``aux`` output (see the
+        contract). Default False.
+      value_func_has_state: whether the function takes a ``func_state`` after ``params`` and
+        returns the new one; ``init`` and ``step`` then need ``func_state``. Default False.
+      value_func_has_rng: whether the function takes a PRNG key after ``params`` (and
+        ``func_state``); the step passes it a key derived from ``step``'s ``rng``. Default False.
+      use_adaptive_learning_rate: choose the learning rate every step by minimising the
+        quadratic model (exact curvature, damped) along the preconditioned gradient (jointly
+        with the momentum when that is adaptive too). Then ``step`` must not get
+        ``learning_rate``. Suited to large or full batches. Default False: pass
+        ``learning_rate`` to ``step`` or a ``learning_rate_schedule``.
+      learning_rate_schedule: ``schedule(step_counter) -> learning rate``, called inside the
+        compiled step with the int32 step counter (0 at the first step). Excludes
+        ``use_adaptive_learning_rate`` and ``step(learning_rate=...)``. Unlike kfac-jax, it is
+        not passed ``data_seen``. Default None.
+      use_adaptive_momentum: choose the momentum every step from the quadratic model over the
+        span of the preconditioned gradient and the previous update. Then ``step`` must not get
+        ``momentum``. Default False: pass ``momentum`` to ``step`` or a ``momentum_schedule``.
+      momentum_schedule: ``schedule(step_counter) -> momentum``, as ``learning_rate_schedule``.
+        Default None.
+      use_adaptive_damping: adapt the damping with the Levenberg-Marquardt rule every
+        ``damping_adaptation_interval`` steps, from the reduction ratio ``rho`` of the loss
+        change to the quadratic model's prediction (one more forward pass on those steps).
+        Needs ``initial_damping``; then ``step`` must not get ``damping``. Default False: pass
+        ``damping`` to ``step`` or a ``damping_schedule``.
+      damping_schedule: ``schedule(step_counter) -> damping``, as ``learning_rate_schedule``.
+        Default None.
+      initial_damping: the damping adaptive damping starts from (required with
+        ``use_adaptive_damping``, unused otherwise). A finite number >= 0; 0 only with
+        ``l2_reg > 0`` (an undamped inverse is singular for most batches). Default None.
+      min_damping: lower bound adaptive damping clips to. Default 1e-8.
+      max_damping: upper bound adaptive damping clips to. Default infinity.
+      include_damping_in_quad_change: add the damping term ``damping/2 * |delta|^2`` to the
+        quadratic model's predicted change used for ``rho`` (the ``l2_reg`` term is always
+        included). Default False.
+      damping_adaptation_interval: adaptive damping acts on steps whose counter plus one is a
+        multiple of this. Positive integer; default 5.
+      damping_adaptation_decay: on an adapting step the damping is multiplied by ``decay **
+        interval`` when ``rho`` exceeds the upper threshold and divided by it when ``rho`` is
+        below the lower one. Default 0.9.
+      damping_lower_threshold: ``rho`` below this raises the damping. Default 0.25.
+      damping_upper_threshold: ``rho`` above this lowers the damping; not below the lower
+        threshold. Default 0.75.
+      always_use_exact_qmodel_for_damping_adjustment: with adaptive damping but a fixed or
+        scheduled learning rate and momentum, compute ``rho``'s predicted change with the exact
+        curvature (one more linearized product) rather than the block-diagonal estimate. With an
+        adaptive learning rate or momentum the exact model is always used. Default False.
+      norm_constraint: scale the update down so that ``lr**2 * g^T (C + (l2_reg + damping) I)^-1
+        g`` (the squared norm of the step in the damped estimated curvature) is at most this
+        value. Only with a fixed or scheduled learning rate. Default None (no constraint).
+      num_burnin_steps: curvature-only steps run by the first ``step`` (step counter 0) before
+        its update: each draws a batch (from ``data_iterator``, or reuses ``batch`` with a
+        warning) and updates the statistics with uniform weights, without moving the parameters.
+        Non-negative integer; default 10.
+      estimation_mode: how the curvature statistics are estimated: ``"fisher_gradients"``
+        (gradients of losses on labels sampled from the model), ``"fisher_empirical"`` (the
+        observed labels; needs registered targets), ``"fisher_curvature_prop"`` and
+        ``"ggn_curvature_prop"`` (random-sign factor products), ``"fisher_exact"`` and
+        ``"ggn_exact"`` (every factor column: exact, cost grows with the output size), or
+        ``"forward_only"`` (FOOF: Kronecker blocks keep their input factor only, no backward
+        pass). ``ggn_*`` also works with non-probabilistic losses. Default
+        ``"fisher_gradients"`` (kfac-jax 0.0.8's ``None`` is not accepted: name a mode).
+      curvature_ema: decay of the statistics' moving average: each update keeps ``ema`` of the
+        old average and adds the new batch's estimate, normalised by the accumulated weight (so
+        early estimates are not biased towards zero). In [0, 1]; default 0.95.
+      inverse_update_period: the blocks recompute their damped inverses (or eigenbases) every
+        this many steps, starting at step 0, with the damping of that step; other steps reuse
+        them. 1 computes them from the statistics every step. Positive integer; default 5.
+      use_exact_inverses: invert each Kronecker block's ``A (x) G + lambda I`` exactly through
+        both factors' eigendecompositions, instead of the cheaper factored (pi-adjusted)
+        damping approximation. Default False.
+      batch_process_func: applied to every batch before use (init, burn-in and step), inside the
+        compiled functions. Default None.
+      register_only_generic: give every parameter a generic (diagonal) block instead of
+        detecting layers; manually registered layer tags are still honoured. Default False.
+      patterns_to_skip: names of layer patterns automatic detection must not match (e.g.
+        ``"dense_with_bias"``, ``"conv2d_no_bias"``, ``"scale_and_shift_both"``; see
+        ``curvax.detection.known_pattern_names()``); their parameters go to another pattern or
+        fall back to generic blocks. Unknown names raise ``ValueError``. Default ``()``.
+      auto_register_kwargs: extra keyword arguments of the layer detection: ``graph_patterns``
+        (a sequence of ``curvax.patterns.GraphPattern`` replacing the built-in patterns) or
+        ``auto_register_tags`` (see ``use_automatic_registration``). Default None.
+      layer_tag_to_block_ctor: maps a layer tag's name (with or without kfac-jax's ``_tag``
+        suffix, e.g. ``"dense"``) or a layer variant (e.g. ``"repeated_dense"``) to the block
+        class used for such layers, instead of the default one. Default None.
+      multi_device: kfac-jax's pmap mode (see above). Default False.
+      debug: run ``init``/``step`` without ``jax.jit`` (eagerly), to debug the value function
+        with prints and breakpoints. Ignored under ``multi_device``. Default False.
+      batch_size_extractor: ``f(batch) -> number of examples`` (per device under
+        ``multi_device``), used for the curvature normalisation and ``stats``. Default: the
+        leading size of the batch's first leaf (``utils.default_batch_size_extractor``).
+      pmap_axis_name: the ``pmap`` axis name of ``multi_device``; a non-empty string. Default
+        ``"kfac_axis"``.
+      forbid_setting_attributes_after_finalize: after construction, setting a public attribute
+        raises ``AttributeError`` (the compiled step would not see the change). False allows
+        it. Default True.
+      modifiable_attribute_exceptions: names of public attributes that may still be set after
+        construction. Default ``()``.
+      include_norms_in_stats: add the global norms ``param_norm``, ``grad_norm``,
+        ``precon_grad_norm`` and ``update_norm`` to the step's stats. Default False.
+      include_per_param_norms_in_stats: add the same norms for each parameter leaf
+        (``grad_norm(<path>)``, ...). Default False.
+      distributed_precon_apply: kfac-jax compatibility, accepted and stored; it has no effect
+        (XLA partitions the step). Default True.
+      distributed_inverses: kfac-jax compatibility, accepted and stored; no effect. Default True.
+      curvature_update_period: update the curvature statistics only on steps whose counter is a
+        multiple of this; the other steps skip the sampled backward pass and the factor products
+        and precondition with the statistics they have (``curvature_ema`` then decays per
+        update, not per step). Positive integer; default 1 (every step).
+      curvature_batch_fraction: curvax's own: estimate the curvature on a random ``ceil(fraction
+        * n)`` examples of each batch of ``n``, drawn anew every step: the statistics (burn-in
+        included) and the exact quadratic model's curvature products ``v^T C w`` of the
+        adaptive learning rate and momentum. The gradient, the loss and the damping's reduction
+        ratio keep the whole batch. The curvature work shrinks with the fraction, at the price
+        of a separate forward pass on the sub-batch. In (0, 1]; default 1.0.
+      value_func_for_estimator: kfac-jax 0.0.8: a function with the value function's arguments
+        and value (not its gradient), traced for the curvature instead of
+        ``value_and_grad_func``, e.g. without costly regularisers; it must register the losses.
+        The loss and gradient still come from ``value_and_grad_func``. Default None.
+      precon_damping_mult: kfac-jax 0.0.8: the preconditioner's damping is the step's damping
+        times this (the quadratic model and adaptive damping keep the damping itself). Positive;
+        default 1.0.
+      precon_damping_schedule: kfac-jax 0.0.8: ``schedule(step_counter) -> damping`` for the
+        preconditioner only, replacing ``damping * precon_damping_mult``. Default None.
+      use_automatic_registration: kfac-jax 0.0.8: False skips layer detection: only layers
+        registered by hand (``curvax.register_dense`` etc.) get their blocks, every other
+        parameter a generic one. Default True.
+      regularized_parameters_path_exclusions: kfac-jax 0.0.8, not implemented: only ``""``.
+      use_initial_damping_calibration: kfac-jax 0.0.8, not implemented: only False.
+      use_step_rejection: kfac-jax 0.0.8, not implemented: only False.
+      reject_damping_increase_factor: kfac-jax 0.0.8, not implemented: only 1.0.
+      custom_estimator_ctor: kfac-jax 0.0.8, not implemented: only None.
+      invalid_metric_value: kfac-jax 0.0.8: the value of stats not computed on a step; only nan
+        is implemented.
+      include_registered_loss_in_stats: kfac-jax 0.0.8, not implemented: only False.
+      num_estimator_samples: kfac-jax 0.0.8, not implemented: only 1 (one sample per example).
+      should_vmap_estimator_samples: kfac-jax 0.0.8, not implemented: only False.
+      norm_to_scale_identity_weight_per_block: kfac-jax 0.0.8, not implemented: only None.
+      precon_power: kfac-jax 0.0.8, not implemented: only -1.0 (the inverse).
+      exact_quad_model_matrix_type: kfac-jax 0.0.8, not implemented: only None (the exact
+        quadratic model uses the GGN for ``ggn_*`` estimation modes, the Fisher otherwise).
+      inverse_update_staggered: ours. True spreads the refresh over the period: every block
+        refreshes at step 0, then block ``i`` at the steps ``t`` with ``t % inverse_update_period
+        == phase_i`` (``estimator.refresh_phases``, phases balanced by factor size), so no step
+        pays for all inverses. Needs ``inverse_update_period > 1``. Default False (kfac-jax's
+        schedule).
+
+    Raises:
+      ValueError, TypeError: for contradictory or out-of-range arguments, naming the argument
+        (e.g. an adaptive learning rate together with a schedule).
+      NotImplementedError: for a non-default value of a kfac-jax 0.0.8 argument curvax does not
+        implement.
     """
 
     State = OptimizerState
@@ -158,7 +409,13 @@ class Optimizer:
         norm_to_scale_identity_weight_per_block: str | None = None,
         precon_power: Any = -1.0,
         exact_quad_model_matrix_type: str | None = None,
+        inverse_update_staggered: bool = False,
     ):
+        """Checks the arguments and builds the (not yet traced) curvature estimator.
+
+        Every argument is explained in the class docstring (``help(curvax.Optimizer)``). Nothing
+        is traced or compiled here: ``init`` traces the value function on its example batch.
+        """
         if not callable(value_and_grad_func):
             raise TypeError(f"`value_and_grad_func` must be callable, got {type(value_and_grad_func).__name__}.")
         if multi_device and (not isinstance(pmap_axis_name, str) or not pmap_axis_name):
@@ -186,6 +443,10 @@ class Optimizer:
             raise ValueError(f"`curvature_ema` must lie in [0, 1], got {curvature_ema}.")
         if float(l2_reg) < 0:
             raise ValueError(f"`l2_reg` must be non-negative, got {l2_reg}.")
+        if initial_damping is not None:  # negative never; zero only with l2_reg > 0 (utils.check_damping)
+            utils.check_damping(initial_damping, "initial_damping", float(l2_reg))
+        if use_adaptive_damping:  # adaptation multiplies the damping: it could never leave 0
+            utils.check_damping(min_damping, "min_damping", float(l2_reg))
         if not float(damping_lower_threshold) <= float(damping_upper_threshold):
             raise ValueError("`damping_lower_threshold` must not exceed `damping_upper_threshold`.")
         estimators.check_estimation_mode(estimation_mode)
@@ -248,6 +509,14 @@ class Optimizer:
         self._estimation_mode = estimation_mode
         self._curvature_ema = float(curvature_ema)
         self._inverse_update_period = int(inverse_update_period)
+        if not isinstance(inverse_update_staggered, (bool, np.bool_)):
+            raise TypeError(f"`inverse_update_staggered` must be a bool, got {inverse_update_staggered!r}.")
+        if inverse_update_staggered and self._inverse_update_period == 1:
+            raise ValueError(
+                "`inverse_update_staggered=True` needs `inverse_update_period` > 1 (with 1 every step "
+                "computes every inverse: there is nothing to stagger)."
+            )
+        self._inverse_update_staggered = bool(inverse_update_staggered)
         self._curvature_update_period = int(curvature_update_period)
         self._curvature_batch_fraction = float(curvature_batch_fraction)
         self._use_exact_inverses = bool(use_exact_inverses)
@@ -260,6 +529,7 @@ class Optimizer:
         self.distributed_precon_apply = distributed_precon_apply
         self.distributed_inverses = distributed_inverses
         self._burnin_warned = False
+        self._pending_reports: collections.deque = collections.deque()  # see `_report`
         self.trace_count = 0  # how many times the step function was traced (compiled)
 
         self._estimator = estimators.BlockDiagonalCurvature(
@@ -337,7 +607,10 @@ class Optimizer:
         return self._damping_decay**self._damping_interval
 
     def should_update_damping(self, state: OptimizerState) -> jax.Array:
-        """Whether this step adapts the damping: adaptive damping is on and the next step counter is a multiple of the interval."""
+        """Whether this step adapts the damping: adaptive damping is on and the next step counter is a multiple of the interval.
+
+        ``state`` is the ``Optimizer.State`` the step starts from; the answer is a boolean array.
+        """
         return self._adaptive_damping & ((state.step_counter + 1) % self._damping_interval == 0)
 
     # --- the user function ---------------------------------------------------------------------
@@ -408,10 +681,39 @@ class Optimizer:
     def init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any = None) -> OptimizerState:
         """Builds the curvature blocks from one example batch and returns the initial state.
 
+        Traces the value function on ``(params, [func_state], [rng], batch)``, checks its outputs
+        against the ``value_func_has_*`` flags, detects the layers and the registered losses
+        (logging the parameter → layer → block table, as a warning when a parameter fell back to
+        a generic block; see ``registration_table``) and decides whether the step may share
+        its pass for the gradient (``shares_gradient_pass``). No statistics are gathered here:
+        the burn-in runs at the first ``step``.
+
         With ``multi_device=True`` (kfac-jax's pmap mode) every array carries a leading axis of
         ``jax.local_device_count()``: ``params``, ``rng`` and ``func_state`` alike on every device,
         ``batch`` split over them; the state comes back with that axis.
+
+        Args:
+          params: the parameters pytree that ``step`` will update: float32 or float64 leaves
+            (half precision is refused: cast inside the loss function instead).
+          rng: a PRNG key (``jax.random.PRNGKey``); passed to the value function when
+            ``value_func_has_rng``, and used for the blocks' initial state.
+          batch: an example batch with the shapes of the training batches (after
+            ``batch_process_func``); its leaves share their leading (batch) size. Another batch
+            size later costs one more trace and compilation.
+          func_state: the value function's state; required when ``value_func_has_state``,
+            otherwise leave it None.
+
+        Returns:
+          The initial ``Optimizer.State``: zero velocities, empty curvature statistics, the
+          damping set to ``initial_damping`` (0 when None), ``data_seen`` and ``step_counter``
+          zero.
+
+        Raises:
+          ValueError, TypeError: when the value function's call or outputs do not match the
+            flags, no loss is registered, a parameter is not floating point, the batch's leaves
+            disagree on their leading size, or ``func_state`` is missing.
         """
+        utils.check_rng(rng)
         if self._multi_device:
             n = jax.local_device_count()
             parallel.check_device_axis({"params": params, "rng": rng, "batch": batch, "func_state": func_state}, n)
@@ -495,7 +797,10 @@ class Optimizer:
             return None
         rep = parallel.replicated(mesh)
         velocities = jax.tree_util.tree_map(lambda x: x.sharding, params)
-        return OptimizerState(velocities=velocities, estimator_state=rep, damping=rep, data_seen=rep, step_counter=rep)
+        return OptimizerState(
+            velocities=velocities, estimator_state=rep, damping=rep, data_seen=rep, step_counter=rep,
+            curvature_updates_skipped=rep, updates_skipped=rep, first_loss=rep,
+        )
 
     def _init_impl(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> OptimizerState:
         if self._batch_process_func is not None:
@@ -510,13 +815,32 @@ class Optimizer:
             damping=damping,
             data_seen=jnp.zeros([], jnp.int32),
             step_counter=jnp.zeros([], jnp.int32),
+            curvature_updates_skipped=jnp.zeros([], jnp.int32),
+            updates_skipped=jnp.zeros([], jnp.int32),
+            first_loss=jnp.asarray(jnp.nan, jnp.float32),
         )
         return parallel.constrain(state, self._state_shardings)
 
     # --- burn-in -------------------------------------------------------------------------------
 
     def burnin(self, num_steps: int, params: Any, state: OptimizerState, rng: jax.Array, data_iterator: Iterator[Any], func_state: Any = None) -> tuple[OptimizerState, Any]:
-        """Accumulates curvature statistics for ``num_steps`` batches without moving the parameters."""
+        """Accumulates curvature statistics for ``num_steps`` batches without moving the parameters.
+
+        ``step`` calls it at step 0 with ``num_burnin_steps``; calling it directly is the kfac-jax
+        API for more burn-in. Each batch's estimate is averaged in with equal weight.
+
+        Args:
+          num_steps: how many batches to draw from ``data_iterator``.
+          params: the parameters at which the curvature is estimated.
+          state: the ``Optimizer.State``; only its curvature statistics change.
+          rng: a PRNG key, split once per batch.
+          data_iterator: an iterator of batches.
+          func_state: the value function's state (when ``value_func_has_state``), passed
+            through unchanged.
+
+        Returns:
+          ``(state, func_state)``.
+        """
         for _ in range(num_steps):
             rng, key = parallel.split_keys(rng, 2, self._multi_device)
             batch = next(data_iterator)
@@ -538,7 +862,12 @@ class Optimizer:
             pmap_axis_name=self._axis, estimation_mode=self._estimation_mode,
         )
         est = self._estimator.sync(est, self._axis)  # multi_device: average each device's statistics
-        return parallel.constrain(dataclasses.replace(state, estimator_state=est), self._state_shardings)
+        # A non-finite batch must not poison the statistics: drop its update (counted in the state).
+        est, skipped = estimators.keep_finite_statistics(state.estimator_state, est, self._axis)
+        state = dataclasses.replace(
+            state, estimator_state=est, curvature_updates_skipped=state.curvature_updates_skipped + skipped
+        )
+        return parallel.constrain(state, self._state_shardings)
 
     def _check_batch(self, batch: Any) -> None:
         """Batch leaves agree on their batch size (and, with ``multi_device``, carry the device axis)."""
@@ -550,7 +879,14 @@ class Optimizer:
     # --- step --------------------------------------------------------------------------------
 
     def verify_args_and_get_step_counter(self, step_counter: Any, learning_rate: Any = None, momentum: Any = None, damping: Any = None, global_step_int: int | None = None) -> int:
-        """Checks which of learning_rate/momentum/damping must be passed; returns the step as an int."""
+        """Checks which of learning_rate/momentum/damping must be passed; returns the step as an int.
+
+        Each of ``learning_rate``, ``momentum`` and ``damping`` (the values given to ``step``,
+        or None) is required when it is neither adaptive nor scheduled and refused otherwise
+        (``ValueError`` naming it). Returns ``global_step_int`` when given, else
+        ``step_counter`` (the state's counter) as a Python int (kfac-jax's method; ``step``
+        calls it).
+        """
         for name, given, adaptive, schedule in (
             ("learning_rate", learning_rate, self._adaptive_lr, self._lr_schedule),
             ("momentum", momentum, self._adaptive_momentum, self._momentum_schedule),
@@ -581,13 +917,57 @@ class Optimizer:
         damping: Any = None,
         global_step_int: int | None = None,
     ) -> tuple:
-        """One optimizer step. Returns ``(params, state, stats)`` or ``(params, state, func_state, stats)``."""
+        """One optimizer step: statistics, (periodic) inverses, preconditioned update, damping.
+
+        The first call (step counter 0) first runs ``num_burnin_steps`` curvature-only updates.
+        The step is compiled once (``trace_count`` counts its traces); a batch of another shape
+        compiles it again. Under ``multi_device`` every argument carries the device axis, as
+        for ``init``, and the input ``params``, ``state`` and ``func_state`` are donated.
+
+        Args:
+          params: the current parameters, with the structure, shapes and dtypes given to
+            ``init``.
+          state: the ``Optimizer.State`` returned by ``init`` or the previous ``step``.
+          rng: a PRNG key for this step (split for the burn-in, the sampled curvature
+            cotangents, the ``curvature_batch_fraction`` sub-batch and the value function's
+            ``rng`` argument); pass a fresh key every step.
+          data_iterator: an iterator of batches; ``next`` is called once per step, plus
+            ``num_burnin_steps`` times at the first step for the burn-in. Give exactly one of
+            ``data_iterator`` and ``batch``.
+          batch: this step's batch (kfac-jax 0.0.8's way); the burn-in, if any, then reuses it
+            (with a warning). Give exactly one of ``data_iterator`` and ``batch``.
+          func_state: the value function's state; required when ``value_func_has_state``.
+          learning_rate: scalar learning rate for this step; required when the optimizer has
+            neither ``use_adaptive_learning_rate`` nor a ``learning_rate_schedule``, refused
+            otherwise.
+          momentum: scalar momentum for this step; required unless ``use_adaptive_momentum``
+            or a ``momentum_schedule`` (then refused). Pass 0 for none.
+          damping: scalar damping for this step; required unless ``use_adaptive_damping`` or a
+            ``damping_schedule`` (then refused). A finite number >= 0; 0 only with
+            ``l2_reg > 0`` (``ValueError`` otherwise).
+          global_step_int: the step number as a Python int, if the caller tracks it; it
+            decides whether this is the first step (burn-in) without reading
+            ``state.step_counter`` from the device. Schedules still use the state's counter.
+
+        Returns:
+          ``(params, state, stats)``, or ``(params, state, func_state, stats)`` when
+          ``value_func_has_state``: the updated parameters, the new state, the value function's
+          new state, and the statistics dict whose keys the class docstring lists.
+
+        Raises:
+          ValueError, TypeError, RuntimeError: when both or neither of ``data_iterator`` and
+            ``batch`` are given, ``init`` was not called, ``state`` is not an
+            ``Optimizer.State``, ``params`` differ from those given to ``init``, a required
+            ``learning_rate``/``momentum``/``damping``/``func_state`` is missing or a refused
+            one is given, or the batch's leaves disagree on their leading size.
+        """
         if (data_iterator is None) == (batch is None):
             raise ValueError("Pass exactly one of `data_iterator` and `batch` to step.")
         if self._params_spec is None:
             raise RuntimeError("Call `optimizer.init(params, rng, batch)` before `step`.")
         if not isinstance(state, OptimizerState):
             raise TypeError(f"`state` must be the Optimizer.State returned by init/step, got {type(state).__name__}.")
+        utils.check_rng(rng)
         n = jax.local_device_count()
         if self._multi_device:
             parallel.check_device_axis({"params": params, "state": state, "rng": rng, "func_state": func_state}, n)
@@ -604,6 +984,8 @@ class Optimizer:
             (state.step_counter[0] if self._multi_device else state.step_counter) if needs_counter else 0,
             learning_rate, momentum, damping, global_step_int,
         )
+        if damping is not None:  # checked here where concrete (a traced value passes unchecked)
+            utils.check_damping(damping, "damping", self._l2_reg)
         if self._multi_device:  # pmap maps every argument: one value per device
             lr, mom, damp = (
                 parallel.device_scalar(0.0 if v is None else v, n, name)
@@ -632,9 +1014,40 @@ class Optimizer:
             batch = next(data_iterator)  # type: ignore[arg-type]
         self._check_batch(batch)
         params, state, func_state, stats = self._jit_step(params, state, rng, batch, func_state, lr, mom, damp)
+        self._report(stats)
         if self._has_state:
             return params, state, func_state, stats
         return params, state, stats
+
+    def _report(self, stats: Mapping[str, Any]) -> None:
+        """Logs a warning for each step whose update or statistics were skipped, or whose loss diverged.
+
+        The flags are read only once they are computed (``jax.Array.is_ready``), so reporting never
+        waits for the device: a step's line appears at a later call of ``step`` (at most
+        ``_REPORT_BACKLOG`` steps later, when the oldest is waited for).
+        """
+        keys = ("step", "loss", "update_skipped", "curvature_update_skipped", "loss_diverged")
+        entry = tuple(stats[k] for k in keys)
+        if any(isinstance(a, jax.core.Tracer) for a in entry):
+            return  # ``step`` traced inside the user's own jit: there is nothing to read on the host
+        self._pending_reports.append(entry)
+        while self._pending_reports:
+            entry = self._pending_reports[0]
+            if len(self._pending_reports) <= _REPORT_BACKLOG and not all(
+                not hasattr(a, "is_ready") or a.is_ready() for a in entry
+            ):
+                break
+            self._pending_reports.popleft()
+            step, loss, skipped, curv_skipped, diverged = (np.asarray(a).reshape(-1)[0] for a in entry)
+            what = [
+                text for flag, text in (
+                    (skipped, "update skipped (non-finite loss, gradient or update; parameters unchanged)"),
+                    (curv_skipped, "curvature statistics update skipped (non-finite; previous statistics kept)"),
+                    (diverged, f"loss diverging (more than {DIVERGENCE_FACTOR:g}x the first loss)"),
+                ) if flag
+            ]
+            if what:
+                logger.warning("curvax step %d (loss %s): %s.", int(step), float(loss), "; ".join(what))
 
     def _linearized(self, func_args: Sequence[Any]) -> tuple:
         """The value function at ``func_args``, linearized in (parameters, layer-output perturbations).
@@ -748,24 +1161,33 @@ class Optimizer:
 
         def update_statistics(s):
             c_losses, c_data_for, _, c_size = curvature_view()
-            s = est._update_from_cotangents(
+            new = est._update_from_cotangents(
                 s, c_losses, c_data_for, k_est, self._estimation_mode, self._curvature_ema, 1.0, c_size, self._axis
             )
-            return est.sync(s, self._axis)  # multi_device: average each device's statistics
+            new = est.sync(new, self._axis)  # multi_device: average each device's statistics
+            # Statistics never absorb non-finite values: a bad batch's update is dropped whole
+            # (one scalar decides, the same on every device).
+            return estimators.keep_finite_statistics(s, new, self._axis)
 
         if self._curvature_update_period == 1:
-            est_state = update_statistics(state.estimator_state)
+            est_state, curvature_skipped = update_statistics(state.estimator_state)
         else:
             # Off-period steps skip the sampled backward pass and the factor products entirely
             # (a conditional runs only its taken branch); the forward pass is shared.
-            est_state = jax.lax.cond(
-                step % self._curvature_update_period == 0, update_statistics, lambda s: s, state.estimator_state
+            est_state, curvature_skipped = jax.lax.cond(
+                step % self._curvature_update_period == 0, update_statistics,
+                lambda s: (s, jnp.asarray(False)), state.estimator_state,
             )
 
         # 3. Periodic inverse refresh.
         exact, approx = self._cache_powers()
         use_cached = self._inverse_update_period != 1
-        if use_cached:
+        if use_cached and self._inverse_update_staggered:
+            # Each block on its own phase of the period (one compiled step serves every phase).
+            est_state = est.update_cache_staggered(
+                est_state, step, self._inverse_update_period, identity_weight, exact, approx, False
+            )
+        elif use_cached:
             est_state = jax.lax.cond(
                 step % self._inverse_update_period == 0,
                 lambda s: est.update_cache(s, identity_weight, exact, approx, False),
@@ -825,7 +1247,11 @@ class Optimizer:
 
         # A non-finite preconditioned gradient (singular curvature with zero damping) must
         # not reach the parameters: skip the update instead. One scalar decides.
-        finite = jnp.isfinite(utils.inner_product(precon, grads)) & jnp.all(jnp.isfinite(coeffs))
+        # The same rule covers a non-finite loss (a NaN example, out-of-range labels) whose
+        # gradient may still be finite: an update is applied only if the loss is finite too.
+        finite = (
+            jnp.isfinite(utils.inner_product(precon, grads)) & jnp.all(jnp.isfinite(coeffs)) & jnp.isfinite(loss)
+        )
         coeffs = jnp.where(finite, coeffs, 0.0)
         # The coefficients may be wider than the parameters (float32 weights, float64 data): keep each leaf's dtype.
         delta = jax.tree_util.tree_map(
@@ -857,6 +1283,14 @@ class Optimizer:
                 update_damping, adapt, lambda: (new_loss, rho, jnp.asarray(damping, jnp.float32))
             )
 
+        # Divergence check (a report only, nothing is changed): the loss is finite but more than
+        # DIVERGENCE_FACTOR times the first finite loss's magnitude (at least 1).
+        loss32 = jnp.asarray(loss, jnp.float32)
+        first_loss = jnp.where(jnp.isnan(state.first_loss) & jnp.isfinite(loss32), loss32, state.first_loss)
+        diverged = jnp.isfinite(loss32) & (
+            jnp.abs(loss32) > DIVERGENCE_FACTOR * jnp.maximum(jnp.abs(jnp.nan_to_num(first_loss)), 1.0)
+        )
+
         # multi_device: the batch of the step is every device's share.
         total_batch_size = batch_size if self._axis is None else batch_size * jax.lax.psum(1, self._axis)
         new_state = OptimizerState(
@@ -865,6 +1299,9 @@ class Optimizer:
             damping=jnp.asarray(new_damping, jnp.float32),
             data_seen=state.data_seen + total_batch_size,
             step_counter=step + 1,
+            curvature_updates_skipped=state.curvature_updates_skipped + curvature_skipped,
+            updates_skipped=state.updates_skipped + jnp.logical_not(finite),
+            first_loss=first_loss,
         )
         new_state = parallel.constrain(new_state, self._state_shardings)
         stats = {
@@ -878,7 +1315,11 @@ class Optimizer:
             "damping": jnp.asarray(damping, jnp.float32),
             "rho": rho,
             "quad_model_change": quad_change,
-            "update_skipped": jnp.logical_not(finite),
+            "update_skipped": jnp.logical_not(finite),  # loss, gradient or update not finite: params unchanged
+            "updates_skipped": new_state.updates_skipped,  # running count of skipped updates
+            "curvature_update_skipped": curvature_skipped,  # this step's statistics not finite: old ones kept
+            "curvature_updates_skipped": new_state.curvature_updates_skipped,  # running count (burn-in included)
+            "loss_diverged": diverged,  # finite loss > DIVERGENCE_FACTOR * max(|first finite loss|, 1)
         }
         if scaled_sq is not None:
             stats["scaled_grad_norm_sq"] = scaled_sq
@@ -903,7 +1344,7 @@ class Optimizer:
     # --- quadratic model -----------------------------------------------------------------------
 
     def compute_l2_quad_matrix(self, vectors: Sequence[Any]) -> jax.Array:
-        """``l2_reg * <v_i, v_j>``."""
+        """``l2_reg * <v_i, v_j>`` for the parameter-shaped ``vectors`` ``v_i``: the L2 term's quadratic model."""
         return self._l2_reg * utils.matrix_of_inner_products(vectors)
 
     def _exact_quad_model_from(self, deps_jvp, losses, vectors, grads, batch_size):
@@ -926,7 +1367,14 @@ class Optimizer:
         return a, utils.matrix_of_inner_products(vectors), utils.vector_of_inner_products(grads, vectors)
 
     def compute_exact_quad_model(self, vectors: Sequence[Any], grads: Any, func_args: Sequence[Any] | None = None):
-        """The exact quadratic model's ``(A, D, b)`` at ``func_args``."""
+        """The exact quadratic model's ``(A, D, b)`` at ``func_args``.
+
+        For the ``vectors`` ``v_i`` (parameter-shaped pytrees, e.g. the preconditioned gradient
+        and the previous update): ``A_ij = v_i^T C v_j`` with the exact Fisher (GGN for
+        ``ggn_*`` estimation modes) of the batch in ``func_args`` (the value function's
+        argument tuple), ``D_ij = v_i^T v_j`` and ``b_i = grads^T v_i`` for the gradient
+        ``grads``.
+        """
         if func_args is None:
             raise ValueError("compute_exact_quad_model needs `func_args`.")
         *_, losses, _, deps_jvp = self._linearized(func_args)
@@ -934,7 +1382,11 @@ class Optimizer:
         return self._exact_quad_model_from(deps_jvp, losses, vectors, grads, bs)
 
     def compute_approx_quad_model(self, state: OptimizerState, vectors: Sequence[Any], grads: Any):
-        """The quadratic model's ``(A, D, b)`` with the curvature estimate in place of the exact matrix."""
+        """The quadratic model's ``(A, D, b)`` with the curvature estimate in place of the exact matrix.
+
+        As ``compute_exact_quad_model`` (same ``vectors`` and ``grads``), with ``A_ij = v_i^T C
+        v_j`` for the block-diagonal estimate held in ``state`` (undamped).
+        """
         cvs = [
             self._estimator.multiply(state.estimator_state, v, 0.0, True, False) for v in vectors
         ]
@@ -960,19 +1412,15 @@ class Optimizer:
         return jnp.stack([w0, safe(-(b[1] + ad[0, 1] * w0), ad[1, 1])])
 
     def compute_loss_value(self, func_args: Sequence[Any]) -> jax.Array:
-        """The loss value of ``value_func(*func_args)``, without its state or aux outputs."""
+        """The loss value of ``value_func(*func_args)``, without its state or aux outputs.
+
+        ``func_args`` is the value function's argument tuple, ``(params, [func_state], [rng],
+        batch)``.
+        """
         return self._split_outputs(self._value_func(*func_args))[0]
 
     def _check_params_dtype(self, params: Any) -> None:
-        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-        if not leaves:
-            raise ValueError("`params` has no array leaves.")
-        for path, leaf in leaves:
-            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-                raise TypeError(
-                    f"Parameter {jax.tree_util.keystr(path) or '<root>'} has dtype {jnp.result_type(leaf)}; "
-                    "the optimizer needs floating-point parameters."
-                )
+        utils.check_float_params(params)
 
 
 def _describe(x: Any) -> str:

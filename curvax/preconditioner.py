@@ -16,17 +16,20 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from curvax import estimators, utils
 
 
 class KFACPreconditionerState(NamedTuple):
-    """``count``: updates so far; ``rng_key``: for the sampled curvature; ``estimator_state``: the blocks."""
+    """``count``: updates so far; ``rng_key``: for the sampled curvature; ``estimator_state``: the
+    blocks; ``curvature_updates_skipped``: statistics updates dropped because they were not finite."""
 
     count: jax.Array
     rng_key: jax.Array
     estimator_state: Any
+    curvature_updates_skipped: jax.Array
 
 
 def kfac_preconditioner(
@@ -50,27 +53,47 @@ def kfac_preconditioner(
         returned value may be anything.
       example_batch: a batch of the shapes ``update`` will see, for ``init`` to trace the model.
       damping: added, with ``l2_reg``, to the curvature before inverting it; a float or a
-        schedule ``count -> damping``.
-      l2_reg, curvature_ema, inverse_update_period, estimation_mode, layer_tag_to_block_ctor,
-        batch_size_extractor: as for ``curvax.Optimizer``.
-      seed: the first key of the random cotangents of ``fisher_gradients``; ``update`` may
-        also be given ``rng=`` instead.
+        schedule ``count -> damping``. A float must be >= 0, and may be 0 only with
+        ``l2_reg > 0`` (an undamped inverse is singular for most batches: every update
+        would be zeroed).
+      l2_reg: the coefficient of an L2 term ``l2_reg/2 * |params|^2`` the user's objective
+        contains, added with ``damping`` to the curvature's diagonal (the gradient must already
+        include the term: this transformation does not add it). Non-negative; default 0.
+      curvature_ema: decay of the statistics' moving average per update, as for
+        ``curvax.Optimizer``. In [0, 1]; default 0.95.
+      inverse_update_period: the damped inverses are recomputed every this many updates,
+        starting with the first. Positive integer; default 5.
+      estimation_mode: how the statistics are estimated (``curvax.estimators.ESTIMATION_MODES``,
+        as for ``curvax.Optimizer``). Default ``"fisher_gradients"``.
+      layer_tag_to_block_ctor: block classes by layer tag name, as for ``curvax.Optimizer``.
+        Default None (the default blocks).
+      batch_size_extractor: ``f(batch) -> number of examples``, the statistics' normaliser.
+        Default: the leading size of the batch's first leaf.
+      seed: the integer seed of the first PRNG key of the sampled estimation modes (e.g.
+        ``fisher_gradients``); ``update`` may also be given ``rng=`` instead. Default 0.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` traces ``loss_fn``
+      on ``(params, example_batch)`` and returns a ``KFACPreconditionerState``.
 
     ``update(updates, state, params, *, batch, rng=None)`` needs the parameters and the batch
     (Optax passes extra keyword arguments through ``optax.chain``). It updates the curvature
     statistics on ``batch``, refreshes the damped inverses every ``inverse_update_period``
     updates (starting with the first) and returns the preconditioned updates. A non-finite
-    result (an ill-conditioned curvature with tiny damping) becomes a zero update.
+    result (an ill-conditioned curvature with tiny damping) becomes a zero update. A batch
+    whose statistics are not finite (a NaN example) leaves the statistics as they were:
+    the state's ``curvature_updates_skipped`` counts such updates.
     """
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    utils.check_number(l2_reg, "l2_reg", 0.0)
     if not callable(damping):
         utils.check_number(damping, "damping", 0.0)
-    utils.check_number(l2_reg, "l2_reg", 0.0)
+        utils.check_damping(damping, "damping", l2_reg)
     utils.check_number(curvature_ema, "curvature_ema", 0.0, 1.0)
     period = utils.check_int(inverse_update_period, "inverse_update_period", 1)
     mode = estimators.check_estimation_mode(estimation_mode)
-    utils.check_batch_leading_sizes(example_batch)
+    utils.check_batch_leading_sizes(example_batch, "example_batch")
     estimator = estimators.BlockDiagonalCurvature(
         loss_fn, params_index=0, default_estimation_mode=mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor
     )
@@ -80,6 +103,19 @@ def kfac_preconditioner(
         return jnp.asarray(value, jnp.float32)
 
     init_spec: list[Any] = []  # the parameters' structure, shapes and dtypes at the first init
+    example_leaves, example_tree = jax.tree_util.tree_flatten(example_batch)
+
+    def check_batch(batch: Any) -> None:
+        """``batch`` has ``example_batch``'s structure, per-example shapes and dtypes (any batch size)."""
+        leaves, tree = jax.tree_util.tree_flatten(batch)
+        if tree != example_tree:
+            raise ValueError(f"`batch` must have the structure of `example_batch`: {example_tree}, got {tree}.")
+        for i, (a, b) in enumerate(zip(leaves, example_leaves)):
+            if np.shape(a)[1:] != np.shape(b)[1:] or np.ndim(a) != np.ndim(b) or jnp.result_type(a) != jnp.result_type(b):
+                raise ValueError(
+                    f"`batch` leaf {i} has shape {np.shape(a)} and dtype {jnp.result_type(a)}, but `example_batch`'s "
+                    f"has {np.shape(b)} and {jnp.result_type(b)}: only the leading (batch) size may differ."
+                )
 
     def check_params(params: Any, where: str) -> None:
         spec = utils.tree_spec(params)
@@ -91,12 +127,13 @@ def kfac_preconditioner(
         init_spec[:] = [spec]
 
     def init_fn(params: Any) -> KFACPreconditionerState:
+        utils.check_float_params(params)
         check_params(params, "init")
         func_args = (params, example_batch)
         estimator.finalize(func_args)
         key = jax.random.PRNGKey(seed)
         est_state = estimator.init(key, func_args, None, -1, False)
-        return KFACPreconditionerState(jnp.zeros([], jnp.int32), key, est_state)
+        return KFACPreconditionerState(jnp.zeros([], jnp.int32), key, est_state, jnp.zeros([], jnp.int32))
 
     def update_fn(
         updates: Any, state: KFACPreconditionerState, params: Any = None, *, batch: Any = None,
@@ -121,6 +158,7 @@ def kfac_preconditioner(
                 f"{jax.tree_util.tree_structure(updates)} vs {jax.tree_util.tree_structure(params)}."
             )
         utils.check_batch_leading_sizes(batch)
+        check_batch(batch)
         key = state.rng_key
         if rng is None:
             key, rng = jax.random.split(key)
@@ -128,6 +166,8 @@ def kfac_preconditioner(
         est_state = estimator.update_curvature_matrix_estimate(
             state.estimator_state, curvature_ema, 1.0, batch_size_extractor(batch), rng, func_args
         )
+        # Statistics never absorb non-finite values: a bad batch's update is dropped (and counted).
+        est_state, skipped = estimators.keep_finite_statistics(state.estimator_state, est_state)
         identity_weight = l2_reg + damping_at(state.count)
         est_state = jax.lax.cond(
             state.count % period == 0,
@@ -139,7 +179,9 @@ def kfac_preconditioner(
         precon = jax.tree_util.tree_map(lambda v, u: v.astype(jnp.result_type(u)), precon, updates)
         finite = jnp.isfinite(utils.inner_product(precon, updates))
         precon = jax.tree_util.tree_map(lambda v: jnp.where(finite, v, jnp.zeros_like(v)), precon)
-        return precon, KFACPreconditionerState(state.count + 1, key, est_state)
+        return precon, KFACPreconditionerState(
+            state.count + 1, key, est_state, state.curvature_updates_skipped + skipped
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -173,6 +215,43 @@ class OptaxPreconditioner:
     ``num_samples`` 1, ``norm_to_scale_identity_weight_per_block`` None (not supported),
     and ``distributed_inverses``/``distributed_precon_apply`` are accepted and unused
     (curvax spreads work over devices through ``jit`` shardings).
+
+    Args:
+      value_func: the model's value function, ``value_func(params, ..., batch)``, which
+        registers its losses; traced for the layers (parameters first, batch last).
+      l2_reg: L2 coefficient added with the damping to the curvature's diagonal. Default 0.
+      damping: a fixed damping (>= 0; 0 only with ``l2_reg > 0``). Give exactly one of
+        ``damping`` and ``damping_schedule``.
+      damping_schedule: ``schedule(count) -> damping``, evaluated at the state's count.
+      norm_constraint: if given, ``apply`` multiplies the preconditioned vector ``p`` by
+        ``min(1, sqrt(norm_constraint / (p^T g)))``, ``g`` being the incoming updates.
+        Default None.
+      estimation_mode: one of ``curvax.estimators.ESTIMATION_MODES``. Default
+        ``"fisher_gradients"``.
+      curvature_ema: decay of the statistics' moving average. In [0, 1]; default 0.95.
+      curvature_update_period: must be 1 (kfac-jax's only supported value).
+      inverse_update_period: cached inverses are refreshed when the count is a multiple of
+        this; 1 computes them from the statistics at every product. Default 5.
+      use_exact_inverses: exact (eigendecomposition) inverses instead of the factored
+        damping approximation. Default False.
+      use_sqrt_inv: ``apply`` multiplies by the inverse square root instead of the inverse.
+        Default False.
+      register_only_generic: generic blocks for every parameter not registered by hand, as
+        for ``curvax.Optimizer``. Default False.
+      patterns_to_skip: layer pattern names detection must not match, as for
+        ``curvax.Optimizer``. Default ``()``.
+      auto_register_kwargs: further layer-detection options, as for ``curvax.Optimizer``.
+      layer_tag_to_block_ctor: block classes by layer tag name, as for ``curvax.Optimizer``.
+      pmap_axis_name: the ``pmap`` axis statistics are averaged over (inside a ``pmap`` only).
+        Default ``"kfac_axis"``.
+      batch_size_extractor: ``f(batch) -> number of examples``, applied to the last of
+        ``func_args``. Default: the leading size of the batch's first leaf.
+      distributed_inverses: kfac-jax compatibility, accepted and unused.
+      distributed_precon_apply: kfac-jax compatibility, accepted and unused.
+      num_samples: kfac-jax compatibility: only 1 (``NotImplementedError`` otherwise).
+      should_vmap_samples: kfac-jax compatibility, accepted and unused.
+      norm_to_scale_identity_weight_per_block: kfac-jax compatibility: only None
+        (``NotImplementedError`` otherwise).
     """
 
     def __init__(
@@ -205,9 +284,10 @@ class OptaxPreconditioner:
             raise TypeError(f"`value_func` must be callable, got {type(value_func).__name__}.")
         if (damping is None) == (damping_schedule is None):
             raise ValueError("OptaxPreconditioner: pass exactly one of `damping` and `damping_schedule`.")
+        utils.check_number(l2_reg, "l2_reg", 0.0)
         if damping is not None:
             utils.check_number(damping, "damping", 0.0)
-        utils.check_number(l2_reg, "l2_reg", 0.0)
+            utils.check_damping(damping, "damping", l2_reg, allow_zero=True)
         utils.check_number(curvature_ema, "curvature_ema", 0.0, 1.0)
         if curvature_update_period != 1:
             raise ValueError(f"`curvature_update_period` must be 1 (as in kfac-jax), got {curvature_update_period!r}.")
@@ -264,14 +344,21 @@ class OptaxPreconditioner:
         return -1 if not self._use_exact_inverses and self._use_cached_inverses else None
 
     def get_identity_weight(self, state: OptaxPreconditionState) -> Any:
-        """``damping + l2_reg`` (the damping from the schedule at ``state.count`` if one was given)."""
+        """``damping + l2_reg`` (the damping from the schedule at ``state.count`` if one was given).
+
+        ``state`` is the ``OptaxPreconditionState``.
+        """
         damping = self._damping if self._damping is not None else self._damping_schedule(state.count)  # type: ignore[misc]
         return damping + self._l2_reg
 
     # --- state ----------------------------------------------------------------------------
 
     def init(self, func_args: Sequence[Any], rng: jax.Array) -> OptaxPreconditionState:
-        """The initial state; traces ``value_func`` on ``func_args`` to find the layers."""
+        """The initial state; traces ``value_func`` on ``func_args`` to find the layers.
+
+        ``func_args`` are example arguments of ``value_func`` (shapes matter); ``rng`` is a PRNG
+        key for the blocks' initial state. The count starts at 0, the statistics empty.
+        """
         return OptaxPreconditionState(
             count=jnp.zeros([], jnp.int32),
             estimator_state=self._estimator.init(
@@ -280,26 +367,29 @@ class OptaxPreconditioner:
         )
 
     def increment_count(self, state: OptaxPreconditionState) -> OptaxPreconditionState:
-        """The state with its step count incremented (saturating at int32 max)."""
+        """``state`` with its step count incremented (saturating at int32 max)."""
         return OptaxPreconditionState(optax.safe_int32_increment(state.count), state.estimator_state)
 
     def sync_estimator_state(self, state: OptaxPreconditionState) -> OptaxPreconditionState:
-        """Averages the statistics over the devices of a ``pmap`` over ``pmap_axis_name`` (else unchanged)."""
+        """Averages the statistics of ``state`` over the devices of a ``pmap`` over ``pmap_axis_name`` (else unchanged)."""
         return OptaxPreconditionState(state.count, self._estimator.sync(state.estimator_state, self._pmap_axis_name))
 
     def should_update_estimator_curvature(self, state: OptaxPreconditionState) -> bool:
-        """Always ``True``: the curvature estimate is updated every step."""
+        """Always ``True``: the curvature estimate is updated every step (``state`` is not read)."""
         del state
         return True  # curvature_update_period is 1
 
     def should_update_inverse_cache(self, state: OptaxPreconditionState) -> Any:
-        """Whether this step refreshes cached inverses (cached inverses on and count divisible by the update period)."""
+        """Whether this step refreshes cached inverses (cached inverses on and ``state``'s count divisible by the update period)."""
         if not self._use_cached_inverses:
             return False
         return state.count % self._inverse_update_period == 0
 
     def should_sync_estimate_curvature(self, state: OptaxPreconditionState) -> Any:
-        """Whether the curvature estimate is synced across devices this step: always without cached inverses, else when the inverse cache is refreshed."""
+        """Whether the curvature estimate is synced across devices this step: always without cached inverses, else when the inverse cache is refreshed.
+
+        ``state`` is the ``OptaxPreconditionState`` the step starts from.
+        """
         return True if not self._use_cached_inverses else self.should_update_inverse_cache(state)
 
     # --- updates --------------------------------------------------------------------------
@@ -320,14 +410,28 @@ class OptaxPreconditioner:
             pmap_axis_name=self._pmap_axis_name,
         )
         if isinstance(sync, bool):
-            return est.sync(state, self._pmap_axis_name) if sync else state
-        return jax.lax.cond(sync, lambda s: est.sync(s, self._pmap_axis_name), lambda s: s, state)
+            state = est.sync(state, self._pmap_axis_name) if sync else state
+        else:
+            state = jax.lax.cond(sync, lambda s: est.sync(s, self._pmap_axis_name), lambda s: s, state)
+        # Statistics never absorb non-finite values: a bad batch's update is dropped whole, on
+        # every device alike (the flag is reduced over the pmap axis).
+        return estimators.keep_finite_statistics(estimator_state, state, self._pmap_axis_name)[0]
 
     def maybe_update_estimator_curvature(
         self, state: OptaxPreconditionState, func_args: Sequence[Any], rng: jax.Array,
         decay_old_ema: Any = True, sync: Any = True,
     ) -> OptaxPreconditionState:
-        """Folds the statistics of ``func_args`` into the moving average (``ema_old=1`` if not ``decay_old_ema``)."""
+        """Folds the statistics of ``func_args`` into the moving average (``ema_old=1`` if not ``decay_old_ema``).
+
+        Args:
+          state: the ``OptaxPreconditionState``.
+          func_args: the arguments of ``value_func`` for this batch (batch last).
+          rng: a PRNG key for the sampled estimation modes.
+          decay_old_ema: True decays the old average by ``curvature_ema``; False keeps a
+            running mean (a bool or a traced boolean). Default True.
+          sync: average the statistics over the ``pmap`` devices after the update (a bool or a
+            traced boolean). Default True.
+        """
         ema_old = decay_old_ema * self._curvature_ema + (1.0 - decay_old_ema) * 1.0
         est_state = self._update_estimator_curvature(
             state.estimator_state, func_args, rng, ema_old, 1.0, sync, self.get_identity_weight(state)
@@ -335,7 +439,7 @@ class OptaxPreconditioner:
         return OptaxPreconditionState(state.count, est_state)
 
     def maybe_update_inverse_cache(self, state: OptaxPreconditionState) -> OptaxPreconditionState:
-        """Refreshes the cached inverses every ``inverse_update_period`` steps."""
+        """Refreshes the cached inverses of ``state`` every ``inverse_update_period`` steps."""
         should = self.should_update_inverse_cache(state)
         if should is False:
             return state
@@ -351,7 +455,11 @@ class OptaxPreconditioner:
         return OptaxPreconditionState(state.count, est_state)
 
     def maybe_update(self, state: OptaxPreconditionState, func_args: Sequence[Any], rng: jax.Array) -> OptaxPreconditionState:
-        """Updates the statistics and, when due, the cached inverses."""
+        """Updates the statistics and, when due, the cached inverses.
+
+        ``state`` is the ``OptaxPreconditionState``, ``func_args`` the arguments of
+        ``value_func`` for this batch, ``rng`` a PRNG key for the sampled estimation modes.
+        """
         state = self.maybe_update_estimator_curvature(
             state, func_args, rng, sync=self.should_sync_estimate_curvature(state)
         )
@@ -360,7 +468,10 @@ class OptaxPreconditioner:
     # --- products -------------------------------------------------------------------------
 
     def apply(self, updates: Any, state: OptaxPreconditionState) -> Any:
-        """``(C + (damping + l2_reg) I)^-1 updates`` (``^-1/2`` with ``use_sqrt_inv``), norm-constrained if asked."""
+        """``(C + (damping + l2_reg) I)^-1 updates`` (``^-1/2`` with ``use_sqrt_inv``), norm-constrained if asked.
+
+        ``updates`` is a parameter-shaped pytree; ``C`` comes from ``state``.
+        """
         new = self._estimator.multiply_matpower(
             state.estimator_state, updates, self.get_identity_weight(state), -0.5 if self._use_sqrt_inv else -1,
             self._use_exact_inverses, self._use_cached_inverses, self._pmap_axis_name,
@@ -372,14 +483,18 @@ class OptaxPreconditioner:
         return new
 
     def multiply_curvature(self, updates: Any, state: OptaxPreconditionState) -> Any:
-        """``(C + (damping + l2_reg) I) updates``."""
+        """``(C + (damping + l2_reg) I) updates`` for a parameter-shaped ``updates``, ``C`` from ``state``."""
         return self._estimator.multiply(
             state.estimator_state, updates, self.get_identity_weight(state), self._use_exact_inverses,
             self._use_cached_inverses, self._pmap_axis_name,
         )
 
     def as_gradient_transform(self, use_inverse: bool = True) -> optax.GradientTransformationExtraArgs:
-        """An Optax transformation multiplying by the (inverse) curvature of ``precond_state=`` (an extra argument)."""
+        """An Optax transformation multiplying by the (inverse) curvature of ``precond_state=`` (an extra argument).
+
+        ``use_inverse`` True multiplies with ``apply`` (the damped inverse), False with
+        ``multiply_curvature``.
+        """
         multiply_fn = self.apply if use_inverse else self.multiply_curvature
 
         def init_fn(params: Any) -> optax.EmptyState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -98,6 +99,70 @@ def check_number(value: Any, name: str, low: float, high: float = math.inf, *, l
     return float(value)
 
 
+def check_float_params(params: Any, arg_name: str = "params") -> None:
+    """Parameters must be float32 or float64 arrays: integer ones have no gradient, and the
+    curvature's factorisations (eigh, Cholesky) have no bfloat16/float16 kernels."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not leaves:
+        raise ValueError(f"`{arg_name}` has no array leaves.")
+    for path, leaf in leaves:
+        where = f"`{arg_name}`{jax.tree_util.keystr(path)}"
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"{where} has dtype {dtype}; curvax needs floating-point parameters.")
+        if jnp.finfo(dtype).bits < 32:
+            raise TypeError(
+                f"{where} has dtype {dtype}: half-precision parameters are not supported (the curvature's "
+                "factorisations need float32). Keep float32 parameters and cast to "
+                f"{dtype} inside the loss function (mixed precision)."
+            )
+
+
+def check_rng(rng: Any, name: str = "rng") -> None:
+    """A clear error unless ``rng`` is a JAX PRNG key: a typed key (``jax.random.key``) or a raw
+    ``uint32`` key array (``jax.random.PRNGKey``), possibly with leading (device) axes."""
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return
+    if dtype is not None and np.dtype(dtype) == np.uint32 and np.ndim(rng) >= 1:
+        return
+    desc = f"an array of shape {np.shape(rng)} and dtype {dtype}" if dtype is not None else type(rng).__name__
+    raise TypeError(f"`{name}` must be a JAX PRNG key (jax.random.PRNGKey(seed) or jax.random.key(seed)), got {desc}.")
+
+
+def check_damping(value: Any, name: str, l2_reg: float, allow_zero: bool = False) -> None:
+    """Rejects a damping that makes every update degenerate; values only known under ``jit`` pass.
+
+    Negative damping is never valid. Zero damping is valid when ``l2_reg > 0`` (the identity
+    weight ``damping + l2_reg`` stays positive, as kfac-jax allows); with ``l2_reg == 0`` it
+    would invert the curvature undamped, singular whenever a batch has fewer examples than a
+    layer has inputs, so every update would be skipped: that is refused too, unless
+    ``allow_zero`` (kfac-jax's ``OptaxPreconditioner`` is also used only to compute curvature,
+    with ``damping=0``): then it is a warning, and non-finite updates are skipped as always.
+    """
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return  # a tracer (or something the scalar conversion reports on itself)
+    if arr.size == 0:
+        return
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+    if np.any(arr + float(l2_reg) <= 0):
+        if allow_zero:
+            warnings.warn(
+                f"`{name}`=0 with l2_reg=0: the curvature is inverted undamped; where it is singular the "
+                "preconditioned update is not finite and is skipped. Pass a positive damping to precondition.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        raise ValueError(
+            f"`{name}`=0 with l2_reg=0 would invert the curvature undamped (singular for most batches, so every "
+            f"update would be skipped); pass a positive `{name}` (e.g. 1e-3) or l2_reg > 0."
+        )
+
+
 def tree_spec(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]:
     """The structure, shapes and dtypes of ``tree`` (arrays or tracers): what a compiled step depends on."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -126,6 +191,8 @@ def check_batch_leading_sizes(batch: Batch, arg_name: str = "batch") -> None:
     if len(set(sizes.values())) > 1:
         desc = ", ".join(f"{k}: {v}" for k, v in sizes.items())
         raise ValueError(f"All leaves of `{arg_name}` must have the same leading (batch) size; got {desc}.")
+    if sizes and set(sizes.values()) == {0}:
+        raise ValueError(f"`{arg_name}` is empty (batch size 0): it needs at least one example.")
 
 
 def subsample_batch(batch: Batch, fraction: float, key: jax.Array) -> Batch:

@@ -40,6 +40,9 @@ autodoc_typehints_format = "short"
 autodoc_preserve_defaults = True
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
+# ``Attributes:`` sections as fields: as attribute directives they would describe a dataclass's
+# fields a second time (autodoc's ``:members:`` already does).
+napoleon_use_ivar = True
 # Type hints name jax/numpy types Sphinx cannot resolve without intersphinx (no network at build
 # time); those references are not warnings about our documentation.
 nitpicky = False

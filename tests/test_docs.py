@@ -63,3 +63,6 @@ def test_docs_build_without_warnings(tmp_path):
     assert len(pages) > 20
     api = (tmp_path / "html" / "_generated" / "api" / "curvax_optimizer.html").read_text()
     assert "value_and_grad_func" in api and "step" in api
+    # autodoc's reStructuredText is rendered, not shown as raw text (napoleon's Args become fields).
+    assert ".. py:method::" not in api and ":param value_and_grad_func:" not in api
+    assert "Parameters" in api and 'id="curvax.Optimizer.step"' in api

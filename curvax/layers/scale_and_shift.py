@@ -104,15 +104,25 @@ def register_scale_and_shift(
 # ----------------------------------------------------------------------------------
 
 
+def _core_shape(shape: Sequence[int], rank: int) -> tuple[int, ...]:
+    """``shape`` without the leading size-1 dims that exceed ``rank`` (Haiku's ``(1, C)`` norm
+    parameters broadcast like ``(C,)``: their leading 1 lines up with the batch axis)."""
+    core = tuple(shape)
+    while len(core) > rank and core and core[0] == 1:
+        core = core[1:]
+    return core
+
+
 def _unbroadcast(t: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Sums ``t`` of shape ``(B, *S)`` down to ``(B, *shape)`` (inverse of broadcasting)."""
-    extra = t.ndim - 1 - len(shape)
+    core = _core_shape(shape, t.ndim - 1)
+    extra = t.ndim - 1 - len(core)
     if extra:
         t = jnp.sum(t, axis=tuple(range(1, 1 + extra)))
-    axes = tuple(1 + i for i, n in enumerate(shape) if n == 1 and t.shape[1 + i] != 1)
+    axes = tuple(1 + i for i, n in enumerate(core) if n == 1 and t.shape[1 + i] != 1)
     if axes:
         t = jnp.sum(t, axis=axes, keepdims=True)
-    return t
+    return t.reshape((t.shape[0], *shape))
 
 
 class _ScaleAndShiftMixin:
@@ -155,7 +165,7 @@ class _ScaleAndShiftMixin:
             raise ValueError(f"{self.name}: expected one output tangent, got {len(dys)}.")  # type: ignore[attr-defined]
         dy = dys[0]
         shapes = self.parameters_shapes  # type: ignore[attr-defined]
-        k = max(len(s) for s in shapes)
+        k = max(len(_core_shape(s, dys[0].ndim - 1)) for s in shapes)
         if dy.ndim < k:
             raise ValueError(f"{self.name}: output tangent of shape {dy.shape} has fewer dims than the parameters {shapes}.")  # type: ignore[attr-defined]
         single = dy.ndim == k  # no batch axis: the whole array is one example
@@ -285,11 +295,14 @@ def _placement(program: Program, chain: Sequence[int], key: Key, out_shape: tupl
     axis (a 1-D parameter along a middle axis, e.g. NCHW channels) or None. Checked numerically by
     pushing distinct labels through the plumbing equations.
     """
-    p_shape = tuple(program.avals[key].shape)
+    full_shape = tuple(program.avals[key].shape)
+    # Leading size-1 dims (Haiku's ``(1, C)`` and ``(1, 1, 1, C)`` BatchNorm parameters)
+    # broadcast: the parameter is placed like its core.
+    p_shape = _core_shape(full_shape, 0)
     size = int(np.prod(p_shape, dtype=np.int64))
     if size > _MAX_CHECKED_SIZE or len(p_shape) > len(out_shape):
         return None
-    base = np.arange(1, size + 1, dtype=np.float32).reshape(p_shape)
+    base = np.arange(1, size + 1, dtype=np.float32).reshape(full_shape)
     try:
         with jax.ensure_compile_time_eval():
             val: Any = base

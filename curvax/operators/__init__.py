@@ -5,10 +5,13 @@ The JAX counterpart of curvlinops' linear operators. Every operator is an immuta
 
 * ``from_estimator(estimator, state)``: a K-FAC / EKFAC / diagonal / full block-diagonal
   estimate (``blockwise``), with closed-form trace, log-determinant, norms and inverses;
+* ``kfac(loss_fn, params, data, fisher_type=..., mc_samples=..., kfac_approx=...,
+  separate_weight_and_bias=...)``: the same with curvlinops' ``KFACLinearOperator`` options
+  (``FisherType``, ``KFACType``; ``kfac``);
 * ``ggn``, ``fisher``, ``hessian``: the exact matrices of a loss over one batch or a dataset,
   matrix-free by Jacobian-vector products (``exact``);
 * ``hutchinson_trace``, ``hutchpp_trace``, ``hutchinson_diagonal``, ``hutchpp_diagonal``,
-  ``lanczos_eigenvalues``: matrix-free estimates on any operator (``stochastic``);
+  ``lanczos_eigenvalues``, ``spectral_density`` (stochastic Lanczos quadrature): matrix-free estimates on any operator (``stochastic``);
 * ``to_lineax``, ``solve``: the operators as ``lineax`` operators, for CG solves (``interop``;
   needs the optional extra ``curvax[lineax]``).
 * ``influence_scores``, ``per_example_gradients``, ``obs_saliencies``, ``obs_update``:
@@ -38,8 +41,19 @@ from curvax.operators.stochastic import (
     hutchpp_trace,
     lanczos,
     lanczos_eigenvalues,
+    slq_quadrature,
+    spectral_density,
 )
 from curvax.operators.interop import solve, to_lineax
+from curvax.operators.kfac import (
+    FISHER_TO_ESTIMATION_MODE,
+    FisherType,
+    KFACType,
+    block_ctors,
+    kfac,
+    separate_bias_class,
+    separate_weight_and_bias,
+)
 from curvax.operators.exact import FISHER_TYPES, ExactCurvatureOperator, fisher, ggn, hessian
 from curvax.operators.influence import (
     INVERSE_METHODS,
@@ -57,6 +71,13 @@ __all__ = [
     "DenseOperator",
     "ExactCurvatureOperator",
     "FISHER_TYPES",
+    "FISHER_TO_ESTIMATION_MODE",
+    "FisherType",
+    "KFACType",
+    "block_ctors",
+    "kfac",
+    "separate_bias_class",
+    "separate_weight_and_bias",
     "IdentityOperator",
     "ParameterSpace",
     "ProductOperator",
@@ -74,6 +95,8 @@ __all__ = [
     "hutchpp_trace",
     "lanczos",
     "lanczos_eigenvalues",
+    "slq_quadrature",
+    "spectral_density",
     "solve",
     "to_lineax",
     "INVERSE_METHODS",

@@ -63,6 +63,20 @@ def _damped_factors(block: Any, state: Any, damping: tuple[Array, Array]) -> tup
     return a + damping[0] * jnp.eye(a.shape[0], dtype=a.dtype), g + damping[1] * jnp.eye(g.shape[0], dtype=g.dtype)
 
 
+def _trace(m: Array) -> Array:
+    """``tr(m)`` without a temporary copy of ``m`` (``jnp.trace`` makes one)."""
+    return jnp.sum(jnp.diagonal(m))
+
+
+def _lean_eigvalsh(m: Array) -> Array:
+    """Eigenvalues of a PSD factor clipped at 0, with one temporary copy of ``m`` (LAPACK's).
+
+    ``linalg.safe_eigvalsh`` adds a fallback eigendecomposition (4 copies); here a failed
+    decomposition gives ``nan``.
+    """
+    return jnp.maximum(jnp.linalg.eigvalsh(m, symmetrize_input=False), 0)
+
+
 def _pow(s: Array, p: Any) -> Array:
     return linalg._pow(s, p)
 
@@ -138,50 +152,94 @@ class BlockDiagonalOperator(CurvatureOperator):
         """All eigenvalues, ascending (per block: the block's eigenvalues, damped and powered)."""
         return jnp.sort(jnp.concatenate([self._block_eigenvalues(b, s, w, m) for b, s, w, m in self._blocks()]))
 
-    def trace(self) -> Array:
-        """``tr`` block by block; ``s tr(A) tr(G)`` (+ ``w dim``) for an undamped-power Kronecker block."""
+    def _accumulate(self, per_block: Any) -> Array:
+        """``sum_b per_block(b, s, w, mode)`` over the blocks."""
         total = jnp.zeros([], self.dtype)
         for b, s, w, mode in self._blocks():
+            total = total + per_block(b, s, w, mode)
+        return total
+
+    def trace(self) -> Array:
+        """``tr`` block by block; ``s tr(A) tr(G)`` (+ ``w dim``) for an undamped-power Kronecker block."""
+
+        def one(b: Any, s: Any, w: Any, mode: str) -> Array:
             if mode == FACTORED:
                 a, g = _damped_factors(b, s, w)
                 if self.exponent == 1:
-                    total += jnp.trace(a) * jnp.trace(g)
-                else:
-                    total += jnp.sum(_pow(linalg.safe_eigvalsh(a), self.exponent)) * jnp.sum(_pow(linalg.safe_eigvalsh(g), self.exponent))
-            elif self.exponent == 1 and _is_kronecker(b):
-                a, g = _scaled_factors(b, s)
-                total += jnp.trace(a) * jnp.trace(g) + w * b.dim
-            else:
-                total += jnp.sum(self._block_eigenvalues(b, s, w, mode))
-        return total
+                    return _trace(a) * _trace(g)
+                return jnp.sum(_pow(linalg.safe_eigvalsh(a), self.exponent)) * jnp.sum(_pow(linalg.safe_eigvalsh(g), self.exponent))
+            if self.exponent == 1 and _is_kronecker(b):
+                scale = jnp.asarray(b.scale(s, False), b.dtype)
+                return scale * _trace(s.inputs_factor.value) * _trace(s.outputs_factor.value) + w * b.dim
+            return jnp.sum(self._block_eigenvalues(b, s, w, mode))
+
+        return self._accumulate(one)
 
     def frobenius_norm(self) -> Array:
         """``||.||_F``; ``||A'||_F ||G'||_F`` for an undamped Kronecker block (``+ 2 w tr + w^2 dim`` when damped)."""
-        total = jnp.zeros([], self.dtype)
-        for b, s, w, mode in self._blocks():
+
+        def one(b: Any, s: Any, w: Any, mode: str) -> Array:
             if mode == FACTORED:
                 ea, eg = (linalg.safe_eigvalsh(x) for x in _damped_factors(b, s, w))
-                total += jnp.sum(_pow(ea, 2 * self.exponent)) * jnp.sum(_pow(eg, 2 * self.exponent))
-            elif self.exponent == 1 and _is_kronecker(b):
-                a, g = _scaled_factors(b, s)
-                total += jnp.sum(a**2) * jnp.sum(g**2) + 2 * w * jnp.trace(a) * jnp.trace(g) + w**2 * b.dim
-            else:
-                total += jnp.sum(self._block_eigenvalues(b, s, w, mode) ** 2)
-        return jnp.sqrt(total)
+                return jnp.sum(_pow(ea, 2 * self.exponent)) * jnp.sum(_pow(eg, 2 * self.exponent))
+            if self.exponent == 1 and _is_kronecker(b):
+                scale = jnp.asarray(b.scale(s, False), b.dtype)
+                a, g = s.inputs_factor.value, s.outputs_factor.value  # symmetric up to round-off
+                return (scale**2 * jnp.sum(a * a) * jnp.sum(g * g) + 2 * w * scale * _trace(a) * _trace(g)
+                        + w**2 * b.dim)
+            return jnp.sum(self._block_eigenvalues(b, s, w, mode) ** 2)
+
+        return jnp.sqrt(self._accumulate(one))
 
     def logdet(self, damping: Any = 0.0) -> Array:
         """``log det(K + damping I)`` from the blocks' eigenvalues (``-inf`` when singular).
 
-        An undamped Kronecker block adds ``p (dim_G log det A' + dim_A log det G')``.
+        A Kronecker block's eigenvalues are products of its factors' (one eigenvalue
+        decomposition of each factor, summed without forming the products). Kronecker blocks
+        whose factors have the same shapes (a transformer's layers) go through one
+        ``lax.scan``, so XLA reuses one workspace for all of them: the compiled temporary memory
+        is a few copies of the largest factors, not a copy of every factor
+        (``benchmarks/operator_memory.py``).
         """
         d = check_damping(damping)
-        total = jnp.zeros([], self.dtype)
-        for b, s, w, mode in self._blocks():
+        p = self.exponent
+
+        def one(b: Any, s: Any, w: Any, mode: str) -> Array:
             if mode == FACTORED and is_static_zero(d):
-                ea, eg = (linalg.safe_eigvalsh(x) for x in _damped_factors(b, s, w))
-                total += self.exponent * (eg.size * jnp.sum(jnp.log(ea)) + ea.size * jnp.sum(jnp.log(eg)))
+                ea, eg = (_lean_eigvalsh(x) for x in _damped_factors(b, s, w))
+                return p * (eg.size * jnp.sum(jnp.log(ea)) + ea.size * jnp.sum(jnp.log(eg)))
+            if mode == FACTORED:
+                ea, eg = (_lean_eigvalsh(x) for x in _damped_factors(b, s, w))
+                return jnp.sum(jnp.log(_pow(jnp.outer(ea, eg), p) + d))
+            return jnp.sum(jnp.log(self._block_eigenvalues(b, s, w, mode) + d))
+
+        def kron(a: Array, g: Array, scale: Array, w: Array) -> Array:
+            # (s A (x) G + w I)^p + d I: eigenvalues from the factors', summed fused
+            ea, eg = _lean_eigvalsh(linalg.symmetrize(a)), _lean_eigvalsh(linalg.symmetrize(g))
+            return jnp.sum(jnp.log(_pow(scale * jnp.outer(ea, eg) + w, p) + d))
+
+        total = jnp.zeros([], self.dtype)
+        groups: dict = {}
+        for b, s, w, mode in self._blocks():
+            if mode == EXACT and _is_kronecker(b):
+                a, g = s.inputs_factor.value, s.outputs_factor.value
+                key = (a.shape, g.shape, str(a.dtype), str(g.dtype))
+                groups.setdefault(key, []).append((a, g, jnp.asarray(b.scale(s, False), b.dtype), jnp.asarray(w, b.dtype)))
             else:
-                total += jnp.sum(jnp.log(self._block_eigenvalues(b, s, w, mode) + d))
+                total = total + one(b, s, w, mode)
+        for items in groups.values():
+            if len(items) == 1:
+                total = total + kron(*items[0])
+                continue
+            scales = jnp.stack([it[2] for it in items])
+            ws = jnp.stack([it[3] for it in items])
+
+            def body(acc: Array, i: Array, items=items, scales=scales, ws=ws) -> tuple[Array, None]:
+                a = jax.lax.switch(i, [lambda it=it: it[0] for it in items])
+                g = jax.lax.switch(i, [lambda it=it: it[1] for it in items])
+                return acc + kron(a, g, scales[i], ws[i]).astype(acc.dtype), None
+
+            total = jax.lax.scan(body, total, jnp.arange(len(items)))[0]
         return total
 
     def det(self, damping: Any = 0.0) -> Array:

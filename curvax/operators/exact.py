@@ -158,12 +158,15 @@ def fisher(value_func: Callable[..., Any], params: Any, data: Any, kind: str = "
     ``kind="mc"`` needs ``rng`` and uses ``mc_samples`` samples per example; it converges to the
     type-2 Fisher as ``mc_samples`` grows (variance ``O(1 / (mc_samples * num_data))``).
     """
+    kind = getattr(kind, "value", kind)  # curvlinops' FisherType members are str enums
     if kind not in FISHER_TYPES:
         raise ValueError(f"`kind` must be one of {list(FISHER_TYPES)}, got {kind!r}.")
+    mc_samples = utils.check_int(mc_samples, "mc_samples", 1)
+    if mc_samples != 1 and kind != "mc":
+        raise ValueError(f"`mc_samples` must be 1 when `kind` is {kind!r} (only 'mc' samples), got {mc_samples}.")
     if kind == "mc":
         if rng is None:
             raise ValueError("`rng` is needed for kind='mc' (the sampled targets are drawn from it).")
-        mc_samples = utils.check_int(mc_samples, "mc_samples", 1)
     return _make(kind, value_func, params, data, num_data, batch_size_extractor, rng, mc_samples)
 
 

@@ -31,11 +31,13 @@ def public_submodules() -> dict[str, types.ModuleType]:
 
 
 def _directive(name: str, obj: Any) -> str:
+    # autodoc emits reStructuredText (members, napoleon's Args/Returns fields): in a MyST page it
+    # must run inside ``eval-rst``, or that output is read as Markdown and shows up as raw text.
     if inspect.isclass(obj):
-        return f"```{{autoclass}} curvax.{name}\n:members:\n```\n"
+        return f"```{{eval-rst}}\n.. autoclass:: curvax.{name}\n   :members:\n```\n"
     if callable(obj):
-        return f"```{{autofunction}} curvax.{name}\n```\n"
-    return f"```{{autodata}} curvax.{name}\n:annotation:\n```\n"
+        return f"```{{eval-rst}}\n.. autofunction:: curvax.{name}\n```\n"
+    return f"```{{eval-rst}}\n.. autodata:: curvax.{name}\n   :annotation:\n```\n"
 
 
 def _first_line(doc: str | None) -> str:
@@ -66,7 +68,10 @@ def generate(app: Any = None) -> list[str]:
     for attr, mod in sorted(public_submodules().items()):
         page = f"module_{attr}"
         title = f"`curvax.{attr}`" + (f": {_first_line(mod.__doc__)}" if mod.__doc__ else "")
-        (OUT / f"{page}.md").write_text(f"# {title}\n\n```{{automodule}} {mod.__name__}\n:members:\n```\n")
+        # Members already documented on their module's page: not indexed twice (:no-index:).
+        (OUT / f"{page}.md").write_text(
+            f"# {title}\n\n```{{eval-rst}}\n.. automodule:: {mod.__name__}\n   :members:\n   :no-index:\n```\n"
+        )
         pages.append(page)
     toc = "\n".join(pages)
     (OUT / "index.md").write_text(

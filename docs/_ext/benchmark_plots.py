@@ -78,6 +78,58 @@ def _ratio_table(d: dict[str, Any], plt: Any, name: str) -> str:
     return "\n".join(rows)
 
 
+def _fmt(x: Any, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _compare_section(d: dict[str, Any], plt: Any) -> str:
+    """``compare.json``: per model, loss against steps and seconds, and the table of every optimizer."""
+    kfj = d.get("kfac_jax", {})
+    note = (f"kfac-jax {kfj.get('kfac_jax')} ran in a child process under JAX {kfj.get('jax')}; its step ratio is "
+            "taken against the Adam run of that process (`adam_kfac_jax_env`, same learning rate)."
+            if kfj.get("status") == "ok" else f"kfac-jax: {kfj.get('status', 'not run')}.")
+    parts = [f"## Against the alternatives\n\n`benchmarks/results/compare.json` ({_machine(d)}), written by "
+             f"`benchmarks/compare.py`. Every optimizer starts from the same initialisation; learning rates "
+             f"of the Optax optimizers come from a grid search (`tuning` in the file). {note} Seconds count "
+             f"from before building the optimizer, so setup and compilation are included; *after compile* "
+             f"leaves out setup and the first step. A run stops once its target is reached (after 10 timed "
+             f"steps), at its step budget or at the time cap. *Ratio, interleaved*: after a model's runs, rounds of one "
+             f"step of each optimizer in a rotating order, so the machine's drift hits all alike.\n"]
+    for model, e in d["models"].items():
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+        for opt, r in e["results"].items():
+            c = r["curve"]
+            loss = [float("nan") if x is None else x for x in c["loss"]]  # null: not finite
+            style = "--" if opt.startswith("adam_kfac_jax") else "-"
+            a1.plot(c["step"], loss, style, label=opt)
+            a2.plot(c["seconds"], loss, style, label=opt)
+        for ax, xl in ((a1, "step"), (a2, "seconds (setup and compilation included)")):
+            ax.axhline(e["target_loss"], color="k", lw=0.8, ls=":")
+            ax.set_xlabel(xl)
+            ax.set_ylabel("training loss")
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+        a1.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(OUT / f"compare_{model}.png", dpi=90)
+        plt.close(fig)
+        rows = ["| optimizer | learning rate | setup (s) | first step (s) | median step (ms) | ratio to Adam, median (mean) "
+                "| ratio, interleaved | steps to target | seconds to target | after compile (s) | steps run | final loss |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for opt, s in ((k, v) for k, v in e["summary"].items() if isinstance(v, dict)):
+            lr = s["learning_rate"]
+            ratio = "-" if s["step_ratio_median"] is None else f"{s['step_ratio_median']:.2f}× ({s['step_ratio_mean']:.2f}×)"
+            rows.append(
+                f"| {opt} | {lr if isinstance(lr, str) else _fmt(lr, 'g')} | {s['setup_s']:.1f} | {s['first_step_s']:.1f} | "
+                f"{_fmt(s['step_median_s'] and 1000 * s['step_median_s'], '.1f')} | {ratio} | "
+                f"{_fmt(s.get('interleaved_ratio_median'), '.2f')}{'×' if s.get('interleaved_ratio_median') else ''} | "
+                f"{_fmt(s['steps_to_target'], 'd', 'not reached')} | {_fmt(s['seconds_to_target'], '.1f')} | "
+                f"{_fmt(s['seconds_to_target_after_compile'], '.1f')} | {s['steps_run']} | {_fmt(s['final_loss'], '.4g')} |")
+        parts.append(f"### {model}: target loss {e['target_loss']:g}\n\n{e['description']}; {e['num_params']} parameters; "
+                     f"at most {e['max_steps']} steps.\n\n![{model}](/_generated/compare_{model}.png)\n\n" + "\n".join(rows) + "\n")
+    return "\n".join(parts)
+
+
 def generate(app: Any = None) -> None:
     import matplotlib
 
@@ -109,6 +161,9 @@ def generate(app: Any = None) -> None:
             cells = [nc.get("first_step_s"), w.get("first_step_s"), nc.get("process_s"), w.get("process_s")]
             rows.append(f"| {opt} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
         parts.append(f"## First step, fresh processes\n\n`benchmarks/results/first_step.json` ({_machine(d)}).\n\n" + "\n".join(rows) + "\n")
+    d = _load("compare.json")
+    if d is not None:
+        parts.append(_compare_section(d, plt))
     (OUT / "benchmark_results.md").write_text("\n".join(parts) if parts else "No result files found.\n")
 
 

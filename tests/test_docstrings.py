@@ -1,0 +1,181 @@
+"""The docstrings explain every argument and every statistic (issue 15, item 6).
+
+By introspection: each parameter of the optimizer's constructor, ``init`` and ``step``, of
+``kfac_preconditioner``, of the Laplace functions and of the estimators' public methods is named
+in the corresponding docstring, as an ``Args:`` entry (``name:`` at the start of a line) or in
+double backquotes; every key of the stats a real optimizer step returns is named in the
+``Optimizer`` docstring.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import curvax
+from curvax import estimators, laplace
+
+
+def _documented(doc: str, name: str) -> bool:
+    """``name`` is an ``Args:`` entry (``name:`` opening a line) or appears as ````name````."""
+    return bool(re.search(rf"^\s*{re.escape(name)}:", doc, re.M)) or f"``{name}``" in doc
+
+
+def _undocumented(func, doc: str | None = None) -> list[str]:
+    doc = inspect.getdoc(func) if doc is None else doc
+    assert doc, f"{func.__qualname__} has no docstring"
+    params = [p for p in inspect.signature(func).parameters if p not in ("self", "cls")]
+    return [p for p in params if not _documented(doc, p)]
+
+
+def _public_methods(cls) -> list[str]:
+    return sorted(n for n in dir(cls) if not n.startswith("_") and inspect.isfunction(getattr(cls, n)))
+
+
+def test_documented_matches_only_real_mentions():
+    doc = "Args:\n  alpha: one.\n  beta_gamma: two.\n\nSee ``delta``; epsilon appears bare."
+    assert _documented(doc, "alpha") and _documented(doc, "beta_gamma") and _documented(doc, "delta")
+    assert not _documented(doc, "beta") and not _documented(doc, "epsilon") and not _documented(doc, "zeta")
+
+
+def test_optimizer_constructor_arguments_are_explained_in_the_class_docstring():
+    doc = inspect.getdoc(curvax.Optimizer)
+    assert "Args:" in doc
+    missing = _undocumented(curvax.Optimizer.__init__, doc)
+    assert not missing, f"Optimizer arguments missing from help(curvax.Optimizer): {missing}"
+
+
+def test_optimizer_docstring_explains_the_value_and_grad_func_contract():
+    doc = " ".join(inspect.getdoc(curvax.Optimizer).split())
+    # The four shapes of the value, the gradient actually used and where the loss is registered.
+    for text in ("the scalar ``loss``", "``(loss, aux)``", "``(loss, new_func_state)``", "``(loss, (new_func_state, aux))``",
+                 "This gradient is the one the step uses", "register_*_loss"):
+        assert text in doc, text
+
+
+def test_kfac_jax_008_arguments_curvax_does_not_implement_say_so():
+    doc = inspect.getdoc(curvax.Optimizer)
+    entries = dict(re.findall(r"^  (\w+): (.*(?:\n    .*)*)", doc, re.M))
+    for name in ("regularized_parameters_path_exclusions", "use_initial_damping_calibration",
+                 "use_step_rejection", "reject_damping_increase_factor", "custom_estimator_ctor",
+                 "include_registered_loss_in_stats", "num_estimator_samples",
+                 "should_vmap_estimator_samples", "norm_to_scale_identity_weight_per_block",
+                 "precon_power", "exact_quad_model_matrix_type"):
+        assert "not implemented" in entries[name], name
+        default = inspect.signature(curvax.Optimizer.__init__).parameters[name].default
+        with pytest.raises(NotImplementedError, match=name):
+            curvax.Optimizer(jax.value_and_grad(lambda p, b: jnp.sum(p)), l2_reg=0.0,
+                             **{name: "x" if default in ("", None) else 0.5})
+
+
+def test_optimizer_methods_explain_every_argument():
+    methods = _public_methods(curvax.Optimizer)
+    assert {"init", "step", "burnin"} <= set(methods)
+    missing = {m: _undocumented(getattr(curvax.Optimizer, m)) for m in methods}
+    missing = {m: v for m, v in missing.items() if v}
+    assert not missing, f"Optimizer methods: {missing}"
+
+
+def test_kfac_preconditioner_explains_every_argument():
+    assert not _undocumented(curvax.kfac_preconditioner)
+
+
+def test_optax_preconditioner_explains_every_argument():
+    from curvax.preconditioner import OptaxPreconditioner
+
+    assert not _undocumented(OptaxPreconditioner.__init__, inspect.getdoc(OptaxPreconditioner))
+    missing = {m: _undocumented(getattr(OptaxPreconditioner, m)) for m in _public_methods(OptaxPreconditioner)}
+    missing = {m: v for m, v in missing.items() if v}
+    assert not missing, f"OptaxPreconditioner: {missing}"
+
+
+@pytest.mark.parametrize("name", ["log_determinant", "marginal_variances", "sample", "log_marginal_likelihood"])
+def test_laplace_functions_explain_every_argument(name):
+    assert not _undocumented(getattr(laplace, name))
+
+
+@pytest.mark.parametrize(
+    "cls", [estimators.BlockDiagonalCurvature, estimators.ExplicitExactCurvature, estimators.ImplicitExactCurvature]
+)
+def test_estimator_constructor_arguments_are_explained(cls):
+    missing = _undocumented(cls.__init__, inspect.getdoc(cls))
+    assert not missing, f"{cls.__name__}: {missing}"
+
+
+@pytest.mark.parametrize("cls", [estimators.BlockDiagonalCurvature, estimators.ExplicitExactCurvature])
+def test_estimator_public_methods_explain_every_argument(cls):
+    methods = _public_methods(cls)
+    for required in ("init", "update_curvature_matrix_estimate", "update_cache", "multiply", "multiply_inverse",
+                     "multiply_matpower", "to_dense_matrix", "eigenvalues"):
+        assert required in methods
+    missing = {m: _undocumented(getattr(cls, m)) for m in methods}
+    missing = {m: v for m, v in missing.items() if v}
+    assert not missing, f"{cls.__name__}: {missing}"
+
+
+def test_implicit_exact_curvature_methods_explain_every_argument():
+    cls = estimators.ImplicitExactCurvature
+    methods = _public_methods(cls)
+    assert {"multiply_fisher", "multiply_ggn", "multiply_hessian", "multiply_jacobian_transpose"} <= set(methods)
+    missing = {m: _undocumented(getattr(cls, m)) for m in methods}
+    missing = {m: v for m, v in missing.items() if v}
+    assert not missing, f"{cls.__name__}: {missing}"
+
+
+# --- statistics -------------------------------------------------------------------------------
+
+
+def _loss(params, batch):
+    x, y = batch
+    logits = jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"]
+    curvax.register_softmax_cross_entropy_loss(logits, y)
+    loss = jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 3), axis=-1))
+    return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == y)}
+
+
+def _stats_keys(**kwargs) -> set[str]:
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {"w1": jax.random.normal(k[0], (4, 5)) / 2, "b1": jnp.zeros(5), "w2": jax.random.normal(k[1], (5, 3)) / 2}
+    batch = (jax.random.normal(k[2], (8, 4)), jax.random.randint(k[3], (8,), 0, 3))
+    opt = curvax.Optimizer(jax.value_and_grad(_loss, has_aux=True), l2_reg=1e-3, value_func_has_aux=True,
+                           num_burnin_steps=0, **kwargs)
+    state = opt.init(params, k[0], batch)
+    step_kwargs = {} if kwargs.get("use_adaptive_damping") else {"damping": 1e-2}
+    if not kwargs.get("use_adaptive_learning_rate"):
+        step_kwargs["learning_rate"] = 0.1
+    if not kwargs.get("use_adaptive_momentum"):
+        step_kwargs["momentum"] = 0.9
+    out = opt.step(params, state, k[1], batch=batch, **step_kwargs)
+    stats = out[-1]
+    assert np.isfinite(float(stats["loss"]))
+    return set(stats)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        # Every key a default step returns is returned here too, with the optional ones.
+        {"include_norms_in_stats": True, "include_per_param_norms_in_stats": True, "norm_constraint": 1e-3},
+        {"use_adaptive_learning_rate": True, "use_adaptive_momentum": True, "use_adaptive_damping": True,
+         "initial_damping": 1.0, "damping_adaptation_interval": 1},
+    ],
+    ids=["norms", "adaptive"],
+)
+def test_every_stats_key_is_documented(kwargs):
+    doc = inspect.getdoc(curvax.Optimizer)
+    keys = _stats_keys(**kwargs)
+    assert {"loss", "aux", "update_skipped"} <= keys
+    if kwargs.get("include_per_param_norms_in_stats"):
+        assert "update_norm(w1)" in keys and "scaled_grad_norm_sq" in keys
+    missing = []
+    for key in sorted(keys):
+        per_param = re.fullmatch(r"(\w+)\((.+)\)", key)
+        name = f"{per_param.group(1)}(<path>)" if per_param else key
+        if f"``{name}``" not in doc:
+            missing.append(key)
+    assert not missing, f"stats keys not documented in help(curvax.Optimizer): {missing}"
