@@ -72,7 +72,7 @@ def make_problem(model: str, seed: int = 0) -> dict:
 # ----------------------------------------------------------------------------------
 
 
-def torch_half(npz_path: str, model: str) -> dict:
+def torch_half(npz_path: str, model: str, kfac_approx: str = "expand") -> dict:
     import torch
     from curvlinops import KFACInverseLinearOperator, KFACLinearOperator
 
@@ -94,7 +94,7 @@ def torch_half(npz_path: str, model: str) -> dict:
     params = [p for p in net.parameters() if p.requires_grad]
 
     def build() -> Any:
-        K = KFACLinearOperator(net, torch.nn.MSELoss(), params, [(x, y)], fisher_type="type-2",
+        K = KFACLinearOperator(net, torch.nn.MSELoss(), params, [(x, y)], fisher_type="type-2", kfac_approx=kfac_approx,
                                separate_weight_and_bias=True, check_deterministic=False)
         K @ v  # the factors are computed at the first product
         return K
@@ -134,7 +134,7 @@ def torch_half(npz_path: str, model: str) -> dict:
 # ----------------------------------------------------------------------------------
 
 
-def curvax_half(problem: dict, model: str) -> dict:
+def curvax_half(problem: dict, model: str, kfac_approx: str = "expand") -> dict:
     import jax
 
     jax.config.update("jax_enable_x64", True)
@@ -175,7 +175,7 @@ def curvax_half(problem: dict, model: str) -> dict:
     v = [(vw[i].T, vw[i + 1]) for i in range(0, len(vw), 2)] if model == "mlp" else [(vw[0], vw[1]), (vw[2].T, vw[3])]
 
     def build() -> Any:
-        K = ops.kfac(loss_fn, params, batch, fisher_type="type-2", separate_weight_and_bias=True)
+        K = ops.kfac(loss_fn, params, batch, fisher_type="type-2", separate_weight_and_bias=True, kfac_approx=kfac_approx)
         jax.block_until_ready(K.state)
         return K
 
@@ -211,7 +211,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--torch-python", default=None, help="a Python with torch and curvlinops-for-pytorch")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "curvlinops_side_by_side.json"))
-    parser.add_argument("--torch-half", nargs=2, metavar=("NPZ", "MODEL"), help=argparse.SUPPRESS)
+    parser.add_argument("--kfac-approx", choices=("expand", "reduce"), default="expand",
+                        help="K-FAC-expand (default) or K-FAC-reduce in both libraries")
+    parser.add_argument("--torch-half", nargs=3, metavar=("NPZ", "MODEL", "APPROX"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.torch_half:
         print(json.dumps(torch_half(*args.torch_half)))
@@ -219,6 +221,7 @@ def main() -> None:
     if not args.torch_python:
         parser.error("--torch-python is needed (an environment with torch and curvlinops-for-pytorch)")
     report: dict = {"damping": DAMPING, "num_data": NUM_DATA, "fisher_type": "type-2", "separate_weight_and_bias": True,
+                    "kfac_approx": args.kfac_approx,
                     "models": {}}
     for model in ("mlp", "cnn"):
         problem = make_problem(model)
@@ -227,10 +230,10 @@ def main() -> None:
             arrays = {f"w{i}": a for i, a in enumerate(problem["weights"])}
             arrays.update({f"v{i}": a for i, a in enumerate(problem["v"])})
             np.savez(path, x=problem["x"], y=problem["y"], **arrays)
-            proc = subprocess.run([args.torch_python, __file__, "--torch-half", path, model], capture_output=True,
+            proc = subprocess.run([args.torch_python, __file__, "--torch-half", path, model, args.kfac_approx], capture_output=True,
                                   text=True, check=True)
         theirs = json.loads(proc.stdout.strip().splitlines()[-1])
-        ours = curvax_half(problem, model)
+        ours = curvax_half(problem, model, args.kfac_approx)
         rows = {}
         for name in ours["methods"]:
             a, b = np.asarray(theirs["methods"][name]["value"]), np.asarray(ours["methods"][name]["value"])

@@ -187,8 +187,4 @@ def test_kfac_bad_input_names_the_argument():
         ops.kfac(_loss, p, batch, num_data=0)
     with pytest.raises(TypeError, match="`base`"):
         ops.separate_bias_class(curvax.DenseEigenvalueCorrected)
-    rng = np.random.default_rng(0)
-    cp = {"conv": {"w": jnp.asarray(rng.standard_normal((2, 2, 2, 3))), "b": jnp.zeros(3)},
-          "out": {"w": jnp.asarray(rng.standard_normal((27, 3))), "b": jnp.zeros(3)}}
-    with pytest.raises(NotImplementedError, match="conv KFAC-reduce"):
-        ops.kfac(_cnn_loss, cp, (jnp.ones((2, 3, 3, 2)), jnp.arange(2)), kfac_approx="reduce")
+    # a grouped convolution with kfac_approx='reduce': tests/test_conv_reduce.py

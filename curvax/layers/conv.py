@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from curvax import blocks, detection, tags
+from curvax import blocks, detection, linalg, tags
 from curvax.tracing import Key, Lit, Program
 
 Array = jax.Array
@@ -826,6 +826,46 @@ class ConvTwoKroneckerFactored(_ConvMixin, blocks.TwoKroneckerFactored):
             a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), a.dtype)]])
         dy2 = jnp.moveaxis(dy, s.dimension_numbers.out_spec[1], -1).reshape(-1, self.num_outputs_channels)
         g = (dy2.T @ dy2) / batch_size
+        state = blocks._copy_state(state)
+        state.inputs_factor.update(a, ema_old, ema_new)
+        state.outputs_factor.update(g, ema_old, ema_new)
+        return state
+
+
+class ConvTwoKroneckerFactoredReduce(ConvTwoKroneckerFactored):
+    """K-FAC-reduce (Eschenhagen et al. 2023) for an N-D convolution: ``C ~= A (x) G``.
+
+    ``A = (1/B) sum_n [pbar_n; 1][pbar_n; 1]^T`` with ``pbar_n`` the mean of example n's
+    patches over the output locations, and ``G = (1/B) sum_n s_n s_n^T`` with ``s_n`` the sum
+    of its output cotangents over the locations (curvlinops' ``kfac_approx="reduce"``). Exact
+    for one example when the locations are summed or averaged before the loss (global pooling),
+    where KFC is not; for one output location it equals KFC. Plain convolutions only
+    (``feature_group_count == 1``). Select it with ``layer_tag_to_block_ctor={"conv2d":
+    ConvTwoKroneckerFactoredReduce}`` or ``curvax.operators.kfac(..., kfac_approx="reduce")``.
+    """
+
+    def update_curvature_matrix_estimate(
+        self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
+    ):
+        del pmap_axis_name
+        x, dy = self._conv_data(estimation_data)
+        s = self._spec
+        k_sp = self.kernel_spatial_shape
+        c, k = self.num_inputs_channels, self.weights_spatial_size
+        patches = lax.conv_general_dilated_patches(
+            x, tuple(k_sp), s.window_strides, s.padding, s.lhs_dilation, s.rhs_dilation,
+            s.dimension_numbers, _patches_precision(s.precision),
+        )
+        p = _canonical_out(patches, s)  # (batch, *locations, features in (channel, offset) order)
+        n = p.shape[0]
+        pbar = jnp.mean(p.reshape(n, -1, c * k), axis=1)
+        pbar = pbar.reshape(n, c, k).transpose(0, 2, 1).reshape(n, k * c)  # the kernel's (offset, channel) order
+        a = linalg.gram(pbar) / n
+        if self.has_bias:
+            mean = jnp.sum(pbar, axis=0) / n
+            a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), a.dtype)]])
+        sums = jnp.sum(_canonical_out(dy, s).reshape(n, -1, self.num_outputs_channels), axis=1)
+        g = linalg.gram(sums) / batch_size
         state = blocks._copy_state(state)
         state.inputs_factor.update(a, ema_old, ema_new)
         state.outputs_factor.update(g, ema_old, ema_new)

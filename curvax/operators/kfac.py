@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from curvax import blocks as blocks_lib
 from curvax import utils
 from curvax.estimators import BlockDiagonalCurvature
+from curvax.layers.conv import ConvTwoKroneckerFactoredReduce
 from curvax.operators.base import CurvatureOperator
 from curvax.operators.blockwise import from_estimator
 
@@ -144,11 +145,14 @@ _DENSE_TAGS = ("dense",)
 _CONV_TAGS = ("conv1d", "conv2d", "conv3d")
 
 
-def _no_conv_reduce(layer_tag_eq: Any, name: str | None = None) -> Any:
-    raise NotImplementedError(
-        f"kfac_approx='reduce' for the convolution {name}: curvax has no conv KFAC-reduce block; use "
-        "kfac_approx='expand' (KFC) for convolutions."
-    )
+def _conv_reduce(layer_tag_eq: Any, name: str | None = None) -> Any:
+    """KFAC-reduce for a plain convolution; a grouped one has no reduce block (clear error)."""
+    if (layer_tag_eq.meta or {}).get("feature_group_count", 1) != 1:
+        raise NotImplementedError(
+            f"kfac_approx='reduce' for the grouped convolution {name}: curvax has KFAC-reduce for plain "
+            "convolutions only; use kfac_approx='expand' (one KFC block per group) for this layer."
+        )
+    return ConvTwoKroneckerFactoredReduce(layer_tag_eq, name)
 
 
 def block_ctors(kfac_approx: Any = KFACType.EXPAND, separate: bool = True) -> dict[str, Any]:
@@ -160,7 +164,7 @@ def block_ctors(kfac_approx: Any = KFACType.EXPAND, separate: bool = True) -> di
     out: dict[str, Any] = {"dense": separate_weight_and_bias(dense) if separate else dense}
     for tag in _CONV_TAGS:
         if approx == KFACType.REDUCE:
-            out[tag] = _no_conv_reduce
+            out[tag] = separate_weight_and_bias(_conv_reduce) if separate else _conv_reduce
         elif separate:
             out[tag] = separate_weight_and_bias(blocks_lib.get_default_tag_to_block_ctor(tag))
     return out
