@@ -192,7 +192,9 @@ def kfac_preconditioner(
 
 
 class OptaxPreconditionState(NamedTuple):
-    """``count``: preconditioner steps so far; ``estimator_state``: the curvature blocks.
+    """``count``: preconditioner steps so far; ``estimator_state``: the curvature blocks;
+    ``curvature_updates_skipped`` (ours): statistics updates dropped because they were not
+    finite (None in a state built by hand with kfac-jax's two fields: then nothing is counted).
 
     kfac-jax v0.0.8 name (compatibility-only); ``kfac_preconditioner``'s state is
     ``KFACPreconditionerState``.
@@ -200,6 +202,7 @@ class OptaxPreconditionState(NamedTuple):
 
     count: jax.Array
     estimator_state: Any
+    curvature_updates_skipped: Any = None
 
 
 class OptaxPreconditioner:
@@ -364,15 +367,16 @@ class OptaxPreconditioner:
             estimator_state=self._estimator.init(
                 rng, func_args, self._exact_powers_to_cache, self._approx_powers_to_cache, False
             ),
+            curvature_updates_skipped=jnp.zeros([], jnp.int32),
         )
 
     def increment_count(self, state: OptaxPreconditionState) -> OptaxPreconditionState:
         """``state`` with its step count incremented (saturating at int32 max)."""
-        return OptaxPreconditionState(optax.safe_int32_increment(state.count), state.estimator_state)
+        return state._replace(count=optax.safe_int32_increment(state.count))
 
     def sync_estimator_state(self, state: OptaxPreconditionState) -> OptaxPreconditionState:
         """Averages the statistics of ``state`` over the devices of a ``pmap`` over ``pmap_axis_name`` (else unchanged)."""
-        return OptaxPreconditionState(state.count, self._estimator.sync(state.estimator_state, self._pmap_axis_name))
+        return state._replace(estimator_state=self._estimator.sync(state.estimator_state, self._pmap_axis_name))
 
     def should_update_estimator_curvature(self, state: OptaxPreconditionState) -> bool:
         """Always ``True``: the curvature estimate is updated every step (``state`` is not read)."""
@@ -414,8 +418,8 @@ class OptaxPreconditioner:
         else:
             state = jax.lax.cond(sync, lambda s: est.sync(s, self._pmap_axis_name), lambda s: s, state)
         # Statistics never absorb non-finite values: a bad batch's update is dropped whole, on
-        # every device alike (the flag is reduced over the pmap axis).
-        return estimators.keep_finite_statistics(estimator_state, state, self._pmap_axis_name)[0]
+        # every device alike (the flag is reduced over the pmap axis). Returns (state, skipped).
+        return estimators.keep_finite_statistics(estimator_state, state, self._pmap_axis_name)
 
     def maybe_update_estimator_curvature(
         self, state: OptaxPreconditionState, func_args: Sequence[Any], rng: jax.Array,
@@ -433,10 +437,13 @@ class OptaxPreconditioner:
             traced boolean). Default True.
         """
         ema_old = decay_old_ema * self._curvature_ema + (1.0 - decay_old_ema) * 1.0
-        est_state = self._update_estimator_curvature(
+        est_state, skipped = self._update_estimator_curvature(
             state.estimator_state, func_args, rng, ema_old, 1.0, sync, self.get_identity_weight(state)
         )
-        return OptaxPreconditionState(state.count, est_state)
+        count = state.curvature_updates_skipped
+        if count is not None:
+            count = count + skipped.astype(jnp.int32)
+        return state._replace(estimator_state=est_state, curvature_updates_skipped=count)
 
     def maybe_update_inverse_cache(self, state: OptaxPreconditionState) -> OptaxPreconditionState:
         """Refreshes the cached inverses of ``state`` every ``inverse_update_period`` steps."""
@@ -452,7 +459,7 @@ class OptaxPreconditioner:
             lambda s: s,
             state.estimator_state,
         )
-        return OptaxPreconditionState(state.count, est_state)
+        return state._replace(estimator_state=est_state)
 
     def maybe_update(self, state: OptaxPreconditionState, func_args: Sequence[Any], rng: jax.Array) -> OptaxPreconditionState:
         """Updates the statistics and, when due, the cached inverses.
