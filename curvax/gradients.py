@@ -44,33 +44,41 @@ def prove_shared_gradient(
     func_args: Sequence[Any],
     program: Program,
     params_positions: Sequence[int],
+    user_jaxpr: Any = None,
 ) -> GradientProof:
     """Whether differentiating ``program`` (the traced value) gives ``value_and_grad_func``'s gradient.
 
     ``has_aux``: whether the value is ``(loss, extra)`` (auxiliary outputs or a function state);
     ``program``: the flattened program of the value function that the optimizer differentiates;
     ``params_positions``: the flat argument positions of the parameters. Conservative: any doubt
-    (a trace that fails, a difference in any equation) answers ``shared=False``.
+    (a trace that fails, a difference in any equation) answers ``shared=False``. ``user_jaxpr``:
+    ``jax.make_jaxpr(value_and_grad_func)(*func_args)`` when the caller already has it.
     """
     f = getattr(value_and_grad_func, "__wrapped__", None)
     if not callable(f):
         return GradientProof(False, "value_and_grad_func is not jax.value_and_grad(f) (it has no __wrapped__ function)")
-    try:
-        user = jax.make_jaxpr(value_and_grad_func)(*func_args)
-        ref = jax.make_jaxpr(jax.value_and_grad(f, has_aux=has_aux))(*func_args)
-        value = jax.make_jaxpr(f)(*func_args)
-    except Exception as e:  # noqa: BLE001 - any failure only means "not proven"
-        return GradientProof(False, f"jax.value_and_grad of its __wrapped__ function could not be traced ({type(e).__name__})")
-    if str(user) != str(ref) or not _same_consts(user.consts, ref.consts):
-        return GradientProof(False, "value_and_grad_func's program differs from jax.value_and_grad(value_and_grad_func.__wrapped__)")
-    theirs = Program(value, params_positions)
+    # Cheapest tests first (each trace of a large loss costs seconds); every early answer is False.
     # A custom rule around the parameters in either program: curvax's copy may hold only the rule's
     # primal computation (JAX's linearization replaces the call by it), which the comparison below
     # would find equal to the inlined primal of ``f`` although the user's gradient is the rule's.
-    inlined = program.inlined_custom_derivatives + theirs.inlined_custom_derivatives
-    if inlined:
-        names = ", ".join(sorted(set(inlined)))
+    if program.inlined_custom_derivatives:
+        names = ", ".join(sorted(set(program.inlined_custom_derivatives)))
         return GradientProof(False, f"the loss defines its own derivative ({names}) around the parameters")
+    untraceable = "jax.value_and_grad of its __wrapped__ function could not be traced"
+    try:
+        theirs = Program(jax.make_jaxpr(f)(*func_args), params_positions)
+    except Exception as e:  # noqa: BLE001 - any failure only means "not proven"
+        return GradientProof(False, f"{untraceable} ({type(e).__name__})")
+    if theirs.inlined_custom_derivatives:
+        names = ", ".join(sorted(set(theirs.inlined_custom_derivatives)))
+        return GradientProof(False, f"the loss defines its own derivative ({names}) around the parameters")
+    try:
+        user = user_jaxpr if user_jaxpr is not None else jax.make_jaxpr(value_and_grad_func)(*func_args)
+        ref = jax.make_jaxpr(jax.value_and_grad(f, has_aux=has_aux))(*func_args)
+    except Exception as e:  # noqa: BLE001 - any failure only means "not proven"
+        return GradientProof(False, f"{untraceable} ({type(e).__name__})")
+    if str(user) != str(ref) or not _same_consts(user.consts, ref.consts):
+        return GradientProof(False, "value_and_grad_func's program differs from jax.value_and_grad(value_and_grad_func.__wrapped__)")
     if not program.output_atoms or not theirs.output_atoms:
         return GradientProof(False, "the value function has no outputs")
     if _canonical(program, program.output_atoms[0]) != _canonical(theirs, theirs.output_atoms[0]):

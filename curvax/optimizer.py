@@ -638,10 +638,11 @@ class Optimizer:
             return loss, rest, None
         return loss, None, rest
 
-    def _check_value_and_grad_output(self, func_args: Sequence[Any]) -> None:
-        """Checks the user function's outputs against the ``value_func_has_*`` flags."""
+    def _check_value_and_grad_output(self, func_args: Sequence[Any]) -> Any:
+        """Checks the user function's outputs against the ``value_func_has_*`` flags; returns its
+        jaxpr (for the gradient proof, so that the function is traced once)."""
         try:
-            out = jax.eval_shape(self._value_and_grad_func, *func_args)
+            jaxpr, out = jax.make_jaxpr(self._value_and_grad_func, return_shape=True)(*func_args)
         except TypeError as e:
             raise TypeError(
                 f"Calling value_and_grad_func{self._signature()} failed: {e}. Check the "
@@ -671,6 +672,7 @@ class Optimizer:
             raise ValueError(
                 f"value_and_grad_func's value must be {expect} with a scalar loss {flags}; got {_describe(value)}."
             ) from None
+        return jaxpr
 
     def _signature(self) -> str:
         parts = ["params"] + (["func_state"] if self._has_state else []) + (["rng"] if self._has_rng else []) + ["batch"]
@@ -735,12 +737,12 @@ class Optimizer:
         if self._batch_process_func is not None:
             batch = self._batch_process_func(batch)
         func_args = self._make_func_args(params, func_state, rng, batch)
-        self._check_value_and_grad_output(func_args)
+        user_jaxpr = self._check_value_and_grad_output(func_args)
         self._estimator.finalize(func_args)
         pj = self._estimator.processed_jaxpr
         self._gradient_proof = gradients.prove_shared_gradient(
             self._value_and_grad_func, self._has_aux or self._has_state, func_args, pj.program,
-            range(pj.params_offset, pj.params_offset + pj.num_params),
+            range(pj.params_offset, pj.params_offset + pj.num_params), user_jaxpr,
         )
         logger.info(
             "Gradient: %s (%s).",
