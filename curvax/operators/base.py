@@ -522,22 +522,28 @@ _register(ScaledOperator, ["scale", "operator"], [])
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class SumOperator(CurvatureOperator):
-    """``K_1 + ... + K_n``: products, diagonal and trace term by term; the rest dense."""
+class _Composite(CurvatureOperator):
+    """Operators combining ``operators`` on one parameter space (sums and products)."""
 
     operators: tuple
 
     @classmethod
-    def of(cls, *ops: CurvatureOperator) -> "SumOperator":
+    def of(cls, *ops: CurvatureOperator) -> Any:
+        """The combination of ``ops``, nested combinations of the same kind flattened."""
         flat: list[CurvatureOperator] = []
         for op in ops:
-            flat.extend(op.operators if isinstance(op, SumOperator) else (op,))
+            flat.extend(op.operators if isinstance(op, cls) else (op,))
         _same_space(flat)
         return cls(tuple(flat))
 
     @property
     def space(self) -> ParameterSpace:  # type: ignore[override]
         return self.operators[0].space
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class SumOperator(_Composite):
+    """``K_1 + ... + K_n``: products, diagonal and trace term by term; the rest dense."""
 
     @property
     def is_symmetric(self) -> bool:
@@ -569,22 +575,8 @@ _register(SumOperator, ["operators"], [])
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class ProductOperator(CurvatureOperator):
+class ProductOperator(_Composite):
     """``K_1 K_2 ... K_n`` (``K_n`` applied first): ``det``/``logdet`` multiply; the rest dense."""
-
-    operators: tuple
-
-    @classmethod
-    def of(cls, *ops: CurvatureOperator) -> "ProductOperator":
-        flat: list[CurvatureOperator] = []
-        for op in ops:
-            flat.extend(op.operators if isinstance(op, ProductOperator) else (op,))
-        _same_space(flat)
-        return cls(tuple(flat))
-
-    @property
-    def space(self) -> ParameterSpace:  # type: ignore[override]
-        return self.operators[0].space
 
     @property
     def is_symmetric(self) -> bool:
