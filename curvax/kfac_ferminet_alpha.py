@@ -67,6 +67,8 @@ from curvax import tags as _tags
 from curvax import utils
 from curvax.optimizer import Optimizer as _CurvaxOptimizer
 from curvax.optimizer import OptimizerState as _CurvaxState
+from curvax.step import config as _config
+from curvax.step import statistics as _statistics
 
 State = Mapping[str, Any]
 """The optimizer state: ``{"velocities", "estimator", "step_counter"}`` (as the alpha's)."""
@@ -358,37 +360,33 @@ class Optimizer:
 
     # --- the per-call functions (compiled unless debug) -----------------------------------------
 
-    def _batch_size_of(self, batch: Any, batch_size: int | None) -> Any:
-        return self._inner._batch_size_extractor(batch) if batch_size is None else batch_size
-
     def _burnin(self, params: Any, state: State, rng: jax.Array, batch: Any, func_state: Any, batch_size: int | None):
-        """One burn-in update: the statistics of ``batch`` enter with weight ``1/num_burnin_steps``."""
-        inner = self._inner
-        if self.batch_process_func is not None:
-            batch = self.batch_process_func(batch)
+        """One burn-in update: the statistics of ``batch`` enter with weight ``1/num_burnin_steps``.
+
+        Through curvax's statistics phase (``curvax.step.statistics``): a non-finite batch's
+        update is dropped. As in the alpha, the burn-in does not average the statistics over
+        the pmap devices.
+        """
+        program = self._inner._program
+        batch = program.process(batch)
         rng, func_rng = jax.random.split(rng) if self.value_func_has_rng else (rng, None)
-        func_args = inner._make_func_args(params, func_state, func_rng, batch)
-        est = inner.estimator.update_curvature_matrix_estimate(
-            state["estimator"], 1.0, 1.0 / self.num_burnin_steps, self._batch_size_of(batch, batch_size), rng,
-            func_args, pmap_axis_name=self.pmap_axis_name, estimation_mode=self.estimation_mode,
+        func_args = program.func.make_args(params, func_state, func_rng, batch)
+        size = program.batch_size_extractor(batch) if batch_size is None else batch_size
+        est, _ = _statistics.update_from_args(
+            self._inner.estimator, state["estimator"], 1.0, 1.0 / self.num_burnin_steps, size, rng, func_args,
+            self.pmap_axis_name, self.estimation_mode, sync=False,
         )
         if self.value_func_has_state:
-            func_state = inner._split_outputs(self.value_and_grad_func(*func_args)[0])[1]
+            func_state = program.func.split_outputs(self.value_and_grad_func(*func_args)[0])[1]
         return dict(state, estimator=est), func_state
 
     def _step(self, params, state, rng, batch, func_state, batch_size, learning_rate, momentum, damping):
-        """One update through ``curvax.Optimizer._step_impl``, with the alpha's stats."""
-        inner = self._inner
+        """One update through ``curvax.Optimizer``'s step (``curvax.step.program``), with the alpha's stats."""
         step = state["step_counter"]
-        extractor = inner._batch_size_extractor
-        if batch_size is not None:
-            inner._batch_size_extractor = lambda b: batch_size
-        try:
-            new_params, new_state, new_func_state, inner_stats = inner._step_impl(
-                params, self._to_curvax(state, 0.0), rng, batch, func_state, learning_rate, momentum, damping
-            )
-        finally:
-            inner._batch_size_extractor = extractor
+        new_params, new_state, new_func_state, inner_stats = self._inner._step_impl(
+            params, self._to_curvax(state, 0.0), rng, batch, func_state, learning_rate, momentum, damping,
+            batch_size_override=batch_size,
+        )
         stats = {
             "step": step,
             "loss": inner_stats["loss"],
@@ -448,29 +446,8 @@ class Optimizer:
         return int(counter)
 
     def _scalar(self, value: Any, name: str) -> jax.Array:
-        """A float32 scalar; with ``multi_device`` one per device (shape ``(devices,)``) for ``pmap``."""
-        if self.multi_device:
-            return _parallel.device_scalar(0.0 if value is None else value, jax.local_device_count(), name)
-        if value is None:
-            return jnp.zeros([], jnp.float32)
-        try:
-            arr = jnp.asarray(value, jnp.float32)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"`{name}` must be a scalar number, got {type(value).__name__}.") from e
-        if arr.ndim != 0:
-            raise ValueError(f"`{name}` must be a scalar, got shape {arr.shape}.")
-        return arr
-
-    def _split(self, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
-        if self.multi_device:
-            return _parallel.split_keys(rng, 2, True)
-        return tuple(jax.random.split(rng))
-
-    def _check_batch(self, batch: Any) -> None:
-        if self.multi_device:
-            _parallel.check_device_axis({"batch": batch}, jax.local_device_count())
-            batch = _parallel.local_shapes(batch)
-        utils.check_batch_leading_sizes(batch)
+        """A float32 scalar (None: 0); with ``multi_device`` one per device (shape ``(devices,)``) for ``pmap``."""
+        return _config.scalar_arg(value, name, self.multi_device)
 
     def step(
         self,
@@ -501,7 +478,7 @@ class Optimizer:
         damp = self._scalar(damping, "damping")
         if step_int == 0:
             for i in range(self.num_burnin_steps):
-                rng, key = self._split(rng)
+                rng, key = _parallel.split_keys(rng, 2, self.multi_device)
                 try:
                     burn_batch = next(data_iterator)
                 except StopIteration:
@@ -509,7 +486,7 @@ class Optimizer:
                         f"num_burnin_steps={self.num_burnin_steps}: the first step needs {self.num_burnin_steps + 1} "
                         f"batches from `data_iterator`, which ran out after {i}."
                     ) from None
-                self._check_batch(burn_batch)
+                self._inner._check_batch(burn_batch)
                 state, func_state = self._burnin_fn(params, state, key, burn_batch, func_state, batch_size)
             if self.momentum_schedule is None:
                 mom = jnp.zeros_like(mom)  # the alpha treats the first step's momentum as 0
@@ -517,7 +494,7 @@ class Optimizer:
             batch = next(data_iterator)
         except StopIteration:
             raise ValueError("`data_iterator` has no batch left for this step.") from None
-        self._check_batch(batch)
+        self._inner._check_batch(batch)
         params, state, func_state, stats = self._step_fn(params, state, rng, batch, func_state, batch_size, lr, mom, damp)
         if self.value_func_has_state:
             return params, state, func_state, stats
