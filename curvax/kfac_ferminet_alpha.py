@@ -141,6 +141,45 @@ def _map_block_classes(mapping: Mapping[Any, Any] | None) -> dict[str, Callable[
     return out
 
 
+def _zero_at_first_step(schedule: Callable[[Any], Any]) -> Callable[[jax.Array], jax.Array]:
+    """``schedule``, masked to 0 at step 0 (the alpha's first step has no momentum)."""
+
+    def first_step_zero(step: jax.Array) -> jax.Array:
+        value = jnp.asarray(schedule(step))
+        return jnp.where(step == 0, jnp.zeros_like(value), value)
+
+    return first_step_zero
+
+
+def _check_args(args: Mapping[str, Any]) -> dict[str, bool]:
+    """The alpha's own checks of the constructor's ``args`` (name to value); returns its bool flags.
+
+    Ranges and integers are left to ``curvax.Optimizer``, with its own messages.
+    """
+    if not callable(args["value_and_grad_func"]):
+        raise TypeError(f"`value_and_grad_func` must be callable, got {type(args['value_and_grad_func']).__name__}.")
+    if args["estimation_mode"] not in ESTIMATION_MODES:
+        raise ValueError(f"`estimation_mode` must be one of {list(ESTIMATION_MODES)}, got {args['estimation_mode']!r}.")
+    for name in ("learning_rate_schedule", "momentum_schedule", "damping_schedule", "batch_process_func"):
+        _check_optional_callable(args[name], name)
+    flags = {
+        name: _check_bool(args[name], name)
+        for name in (
+            "value_func_has_aux", "value_func_has_state", "value_func_has_rng", "register_only_generic",
+            "donate_parameters", "donate_optimizer_state", "donate_batch_inputs", "donate_func_state",
+            "multi_device", "use_jax_cond", "debug",
+        )
+    }
+    if not isinstance(args["pmap_axis_name"], str):
+        raise TypeError(f"`pmap_axis_name` must be a str, got {args['pmap_axis_name']!r}.")
+    if flags["multi_device"] and flags["debug"]:
+        raise ValueError(
+            "debug=True runs without jit or pmap, so it cannot run multi_device=True (inputs with a leading "
+            "device axis); pass one of them."
+        )
+    return flags
+
+
 class Optimizer:
     """``kfac_ferminet_alpha.optimizer.Optimizer`` on curvax's K-FAC (kept for compatibility).
 
@@ -179,53 +218,15 @@ class Optimizer:
         debug: bool = False,
         pmap_axis_name: str = "kfac_axis",
     ):
-        if not callable(value_and_grad_func):
-            raise TypeError(f"`value_and_grad_func` must be callable, got {type(value_and_grad_func).__name__}.")
-        if estimation_mode not in ESTIMATION_MODES:
-            raise ValueError(f"`estimation_mode` must be one of {list(ESTIMATION_MODES)}, got {estimation_mode!r}.")
-        for name, value in (
-            ("learning_rate_schedule", learning_rate_schedule),
-            ("momentum_schedule", momentum_schedule),
-            ("damping_schedule", damping_schedule),
-            ("batch_process_func", batch_process_func),
-        ):
-            _check_optional_callable(value, name)
-        flags = {
-            name: _check_bool(value, name)
-            for name, value in (
-                ("value_func_has_aux", value_func_has_aux),
-                ("value_func_has_state", value_func_has_state),
-                ("value_func_has_rng", value_func_has_rng),
-                ("register_only_generic", register_only_generic),
-                ("donate_parameters", donate_parameters),
-                ("donate_optimizer_state", donate_optimizer_state),
-                ("donate_batch_inputs", donate_batch_inputs),
-                ("donate_func_state", donate_func_state),
-                ("multi_device", multi_device),
-                ("use_jax_cond", use_jax_cond),
-                ("debug", debug),
-            )
-        }
-        if not isinstance(pmap_axis_name, str):
-            raise TypeError(f"`pmap_axis_name` must be a str, got {pmap_axis_name!r}.")
-        if flags["multi_device"] and flags["debug"]:
-            raise ValueError(
-                "debug=True runs without jit or pmap, so it cannot run multi_device=True (inputs with a leading "
-                "device axis); pass one of them."
-            )
+        """Checks the arguments (the alpha's checks here, the rest by ``curvax.Optimizer``) and
+        builds the ``curvax.Optimizer`` that does the work; nothing is traced here."""
+        flags = _check_args(locals())
+        for name, value in flags.items():  # value_func_has_*, register_only_generic, donate_*, multi_device, ...
+            setattr(self, name, value)
         self.value_and_grad_func = value_and_grad_func
-        self.value_func_has_aux = flags["value_func_has_aux"]
-        self.value_func_has_state = flags["value_func_has_state"]
-        self.value_func_has_rng = flags["value_func_has_rng"]
         self.l2_reg = l2_reg
         self.learning_rate_schedule = learning_rate_schedule
-        self.momentum_schedule = None
-        if momentum_schedule is not None:
-            def first_step_zero(step: jax.Array) -> jax.Array:
-                value = jnp.asarray(momentum_schedule(step))
-                return jnp.where(step == 0, jnp.zeros_like(value), value)
-
-            self.momentum_schedule = first_step_zero
+        self.momentum_schedule = None if momentum_schedule is None else _zero_at_first_step(momentum_schedule)
         self.damping_schedule = damping_schedule
         self.min_damping = min_damping
         self.max_damping = max_damping
@@ -234,17 +235,9 @@ class Optimizer:
         self.estimation_mode = estimation_mode
         self.curvature_ema = curvature_ema
         self.inverse_update_period = inverse_update_period
-        self.register_only_generic = flags["register_only_generic"]
         self.layer_tag_to_block_cls = layer_tag_to_block_cls
         self.patterns_to_skip = tuple(patterns_to_skip)
-        self.donate_parameters = flags["donate_parameters"]
-        self.donate_optimizer_state = flags["donate_optimizer_state"]
-        self.donate_batch_inputs = flags["donate_batch_inputs"]
-        self.donate_func_state = flags["donate_func_state"]
         self.batch_process_func = batch_process_func
-        self.multi_device = flags["multi_device"]
-        self.use_jax_cond = flags["use_jax_cond"]
-        self.debug = flags["debug"]
         self.pmap_axis_name = pmap_axis_name if self.multi_device else None
 
         # curvax validates the remaining arguments (ranges, integers) with its own messages.
@@ -272,6 +265,12 @@ class Optimizer:
             debug=self.debug,
             pmap_axis_name=pmap_axis_name,
         )
+        self._compile()
+        self.finalized = False
+
+    def _compile(self) -> None:
+        """``jax.jit`` (``jax.pmap`` with ``multi_device``, nothing with ``debug``) of the step and
+        the burn-in, donating the buffers the ``donate_*`` flags name."""
         # Arguments of _step: params, state, rng, batch, func_state, batch_size, lr, momentum, damping.
         donate = []
         if self.donate_parameters:
@@ -287,14 +286,14 @@ class Optimizer:
             self._step_fn = self._step
             self._burnin_fn = self._burnin
         elif self.multi_device:
+            axis = self.pmap_axis_name
             self._step_fn = jax.pmap(
-                self._step, axis_name=pmap_axis_name, static_broadcasted_argnums=(5,), donate_argnums=self.donate_argnums
+                self._step, axis_name=axis, static_broadcasted_argnums=(5,), donate_argnums=self.donate_argnums
             )
-            self._burnin_fn = jax.pmap(self._burnin, axis_name=pmap_axis_name, static_broadcasted_argnums=(5,))
+            self._burnin_fn = jax.pmap(self._burnin, axis_name=axis, static_broadcasted_argnums=(5,))
         else:
             self._step_fn = jax.jit(self._step, static_argnums=(5,), donate_argnums=self.donate_argnums)
             self._burnin_fn = jax.jit(self._burnin, static_argnums=(5,))
-        self.finalized = False
 
     @staticmethod
     def _make_inner(*args: Any, **kwargs: Any) -> _CurvaxOptimizer:

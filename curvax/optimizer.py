@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from curvax import _compat, estimators, gradients, parallel, utils
+from curvax import _compat, estimators, parallel, utils
 from curvax.step import coefficients as _coefficients
 from curvax.step import config as _config
 from curvax.step import damping as _damping
@@ -396,8 +396,6 @@ class Optimizer:
         self._func = ValueFunction(
             value_and_grad_func, bool(value_func_has_aux), bool(value_func_has_state), bool(value_func_has_rng)
         )
-        self._value_and_grad_func = value_and_grad_func
-        self._value_func_for_estimator = value_func_for_estimator
         self._has_state = self._func.has_state
         self._multi_device = bool(multi_device)
         # kfac-jax's pmap mode: every input has a leading device axis and every batch quantity is
@@ -405,13 +403,12 @@ class Optimizer:
         self._axis: str | None = pmap_axis_name if self._multi_device else None
         self._pmap_axis_name = pmap_axis_name
         self._debug = bool(debug)
-        self._batch_size_extractor = batch_size_extractor
         self.distributed_precon_apply = distributed_precon_apply
         self.distributed_inverses = distributed_inverses
         self._burnin_warned = False
         self._report = _guard.Reporter()
         self.trace_count = 0  # how many times the step function was traced (compiled)
-        self._estimator = self._make_estimator(args)
+        self._estimator = _config.estimator_from_args(args, self._func.value)
         self._program = StepProgram(
             self._config, self._func, self._estimator, batch_process_func, batch_size_extractor, self._axis,
             bool(include_norms_in_stats), bool(include_per_param_norms_in_stats),
@@ -421,22 +418,6 @@ class Optimizer:
         self._forbid = bool(forbid_setting_attributes_after_finalize)
         self._modifiable = frozenset(modifiable_attribute_exceptions)
         self._finalized = True
-
-    def _make_estimator(self, args: Mapping[str, Any]) -> estimators.BlockDiagonalCurvature:
-        """The block-diagonal estimator of the constructor's ``args`` (blocks built at ``init``)."""
-        auto_kwargs = dict(args["auto_register_kwargs"] or {})
-        if not args["use_automatic_registration"]:
-            auto_kwargs.setdefault("auto_register_tags", False)
-        func = args["value_func_for_estimator"]
-        return estimators.BlockDiagonalCurvature(
-            func if func is not None else self._func.value,
-            params_index=0,
-            default_estimation_mode=args["estimation_mode"],
-            layer_tag_to_block_ctor=args["layer_tag_to_block_ctor"],
-            register_only_generic=args["register_only_generic"],
-            patterns_to_skip=tuple(args["patterns_to_skip"]),
-            **auto_kwargs,
-        )
 
     def _compile(self) -> None:
         """Wraps init, burn-in and step in ``jax.jit`` (nothing with ``debug``) or, in the pmap
@@ -504,15 +485,6 @@ class Optimizer:
         """
         return _damping.due(self._config, state.step_counter)
 
-    # --- the user function ---------------------------------------------------------------------
-
-    def _make_func_args(self, params: Any, func_state: Any, rng: Any, batch: Any) -> tuple:
-        return self._func.make_args(params, func_state, rng, batch)
-
-    def _split_outputs(self, out: Any) -> tuple[Any, Any, Any]:
-        """``(loss, func_state, aux)`` from the value function's output."""
-        return self._func.split_outputs(out)
-
     # --- init ------------------------------------------------------------------------------------
 
     def init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any = None) -> OptimizerState:
@@ -569,27 +541,8 @@ class Optimizer:
         utils.check_batch_leading_sizes(batch)
         if self._has_state and func_state is None:
             raise ValueError("value_func_has_state=True: pass `func_state` to init.")
-        func_args = self._make_func_args(params, func_state, rng, self._program.process(batch))
-        user_jaxpr = self._func.check_outputs(func_args)
-        self._estimator.finalize(func_args)
-        pj = self._estimator.processed_jaxpr
-        self._gradient_proof = gradients.prove_shared_gradient(
-            self._value_and_grad_func, self._func.has_aux or self._has_state, func_args, pj.program,
-            range(pj.params_offset, pj.params_offset + pj.num_params), user_jaxpr,
-        )
-        self._program.shares_gradient = self._gradient_proof.shared
-        logger.info(
-            "Gradient: %s (%s).",
-            "from curvax's shared forward pass" if self._gradient_proof.shared else "from value_and_grad_func",
-            self._gradient_proof.reason,
-        )
+        self._gradient_proof, self._registration_table = self._program.prepare(params, rng, batch, func_state)
         self._params_spec = utils.tree_spec(params)
-        names = [type(b).__name__ for b in self._estimator.blocks]
-        table = self._estimator.processed_jaxpr.registration_table(params, names)
-        has_generic = any(s.pattern == "generic" for s in self._estimator.processed_jaxpr.layer_sites)
-        logger.log(logging.WARNING if has_generic else logging.INFO, "\n%s", table)
-        self._registration_table = table
-        self._program.state_shardings = self._program.state_shardings_for(params)
 
     @property
     def shares_gradient_pass(self) -> bool:
@@ -746,24 +699,9 @@ class Optimizer:
         momentum: Any, damping: Any, global_step_int: int | None,
     ) -> int:
         """The host-side checks of ``step``'s arguments; returns the step number (see ``step``)."""
-        if (data_iterator is None) == (batch is None):
-            raise ValueError("Pass exactly one of `data_iterator` and `batch` to step.")
-        if self._params_spec is None:
-            raise RuntimeError("Call `optimizer.init(params, rng, batch)` before `step`.")
-        if not isinstance(state, OptimizerState):
-            raise TypeError(f"`state` must be the Optimizer.State returned by init/step, got {type(state).__name__}.")
-        utils.check_rng(rng)
-        if self._multi_device:
-            n = jax.local_device_count()
-            parallel.check_device_axis({"params": params, "state": state, "rng": rng, "func_state": func_state}, n)
-        spec = utils.tree_spec(parallel.local_shapes(params) if self._multi_device else params)
-        if spec != self._params_spec:
-            raise ValueError(
-                "`params` differ in structure, shapes or dtypes from those passed to init:\n"
-                f"init: {self._params_spec}\nstep: {spec}"
-            )
-        if self._has_state and func_state is None:
-            raise ValueError("value_func_has_state=True: pass `func_state` to step.")
+        _config.check_step_call(
+            self._params_spec, self._multi_device, self._has_state, params, state, rng, data_iterator, batch, func_state
+        )
         needs_counter = self._config.num_burnin_steps > 0 and global_step_int is None
         step_int = self.verify_args_and_get_step_counter(
             (state.step_counter[0] if self._multi_device else state.step_counter) if needs_counter else 0,
@@ -814,7 +752,7 @@ class Optimizer:
             raise ValueError("compute_exact_quad_model needs `func_args`.")
         lin = self._program.linearize(func_args)
         kind = "ggn" if self._config.estimation_mode.startswith("ggn") else "fisher"
-        bs = self._batch_size_extractor(func_args[-1])
+        bs = self._program.batch_size_extractor(func_args[-1])
         return _coefficients.exact_quad_model(lin.deps_jvp, lin.losses, vectors, grads, bs, kind, self._axis)
 
     def compute_approx_quad_model(self, state: OptimizerState, vectors: Sequence[Any], grads: Any):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from curvax import estimators, parallel, utils
+from curvax.step.state import OptimizerState
 
 # kfac-jax 0.0.8's constructor arguments that curvax does not implement, with the one value
 # (their default) that is accepted.
@@ -223,3 +224,92 @@ def scalar_arg(value: Any, name: str, multi_device: bool = False) -> jax.Array:
     if arr.ndim != 0:
         raise ValueError(f"`{name}` must be a scalar, got shape {arr.shape}.")
     return arr
+
+
+def check_kfac_preconditioner_args(
+    loss_fn: Any, damping: Any, l2_reg: Any, curvature_ema: Any, inverse_update_period: Any, estimation_mode: Any,
+    example_batch: Any,
+) -> int:
+    """Checks ``curvax.kfac_preconditioner``'s arguments; returns the refresh period as an int."""
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    utils.check_number(l2_reg, "l2_reg", 0.0)
+    if not callable(damping):
+        utils.check_number(damping, "damping", 0.0)
+        utils.check_damping(damping, "damping", l2_reg)
+    utils.check_number(curvature_ema, "curvature_ema", 0.0, 1.0)
+    period = utils.check_int(inverse_update_period, "inverse_update_period", 1)
+    estimators.check_estimation_mode(estimation_mode)
+    utils.check_batch_leading_sizes(example_batch, "example_batch")
+    return period
+
+
+def check_optax_preconditioner_args(args: Mapping[str, Any]) -> None:
+    """Checks the constructor arguments of kfac-jax 0.0.8's ``OptaxPreconditioner`` (name to value)."""
+    if not callable(args["value_func"]):
+        raise TypeError(f"`value_func` must be callable, got {type(args['value_func']).__name__}.")
+    if (args["damping"] is None) == (args["damping_schedule"] is None):
+        raise ValueError("OptaxPreconditioner: pass exactly one of `damping` and `damping_schedule`.")
+    utils.check_number(args["l2_reg"], "l2_reg", 0.0)
+    if args["damping"] is not None:
+        utils.check_number(args["damping"], "damping", 0.0)
+        utils.check_damping(args["damping"], "damping", args["l2_reg"], allow_zero=True)
+    utils.check_number(args["curvature_ema"], "curvature_ema", 0.0, 1.0)
+    if args["curvature_update_period"] != 1:
+        raise ValueError(f"`curvature_update_period` must be 1 (as in kfac-jax), got {args['curvature_update_period']!r}.")
+    utils.check_int(args["inverse_update_period"], "inverse_update_period", 1)
+    if args["num_samples"] != 1:
+        raise NotImplementedError(f"OptaxPreconditioner: `num_samples` must be 1, got {args['num_samples']!r}.")
+    if args["norm_to_scale_identity_weight_per_block"] is not None:
+        raise NotImplementedError(
+            "OptaxPreconditioner: `norm_to_scale_identity_weight_per_block` is not supported; pass None."
+        )
+    if args["norm_constraint"] is not None:
+        utils.check_number(args["norm_constraint"], "norm_constraint", 0.0)
+
+
+def estimator_from_args(args: Mapping[str, Any], value_func: Callable[..., Any]) -> estimators.BlockDiagonalCurvature:
+    """The block-diagonal estimator of ``curvax.Optimizer``'s constructor ``args`` (blocks built
+    at ``init``), tracing ``value_func_for_estimator`` when given, else ``value_func``."""
+    auto_kwargs = dict(args["auto_register_kwargs"] or {})
+    if not args["use_automatic_registration"]:
+        auto_kwargs.setdefault("auto_register_tags", False)
+    func = args["value_func_for_estimator"]
+    return estimators.BlockDiagonalCurvature(
+        func if func is not None else value_func,
+        params_index=0,
+        default_estimation_mode=args["estimation_mode"],
+        layer_tag_to_block_ctor=args["layer_tag_to_block_ctor"],
+        register_only_generic=args["register_only_generic"],
+        patterns_to_skip=tuple(args["patterns_to_skip"]),
+        **auto_kwargs,
+    )
+
+
+def check_step_call(
+    params_spec: Any, multi_device: bool, has_state: bool, params: Any, state: Any, rng: Any, data_iterator: Any,
+    batch: Any, func_state: Any,
+) -> None:
+    """The host-side checks of a ``curvax.Optimizer.step`` call, before any coefficient.
+
+    ``params_spec`` is the parameters' spec at ``init`` (None before it); ``multi_device`` and
+    ``has_state`` the optimizer's; the rest ``step``'s arguments.
+    """
+    if (data_iterator is None) == (batch is None):
+        raise ValueError("Pass exactly one of `data_iterator` and `batch` to step.")
+    if params_spec is None:
+        raise RuntimeError("Call `optimizer.init(params, rng, batch)` before `step`.")
+    if not isinstance(state, OptimizerState):
+        raise TypeError(f"`state` must be the Optimizer.State returned by init/step, got {type(state).__name__}.")
+    utils.check_rng(rng)
+    if multi_device:
+        n = jax.local_device_count()
+        parallel.check_device_axis({"params": params, "state": state, "rng": rng, "func_state": func_state}, n)
+    spec = utils.tree_spec(parallel.local_shapes(params) if multi_device else params)
+    if spec != params_spec:
+        raise ValueError(
+            "`params` differ in structure, shapes or dtypes from those passed to init:\n"
+            f"init: {params_spec}\nstep: {spec}"
+        )
+    if has_state and func_state is None:
+        raise ValueError("value_func_has_state=True: pass `func_state` to step.")

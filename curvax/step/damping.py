@@ -8,7 +8,7 @@ divides it by that (``rho`` below the lower one), within ``[min_damping, max_dam
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp

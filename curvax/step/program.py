@@ -10,17 +10,20 @@ same methods.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from curvax import parallel, utils
+from curvax import gradients, parallel, utils
 from curvax.step import coefficients, damping, forward, guard, precondition, refresh, statistics, stats
 from curvax.step.config import StepConfig
 from curvax.step.state import OptimizerState, initial_state
 from curvax.step.value_function import ValueFunction
+
+logger = logging.getLogger("curvax")
 
 
 class Gradient(NamedTuple):
@@ -113,6 +116,33 @@ class StepProgram:
             velocities=velocities, estimator_state=rep, damping=rep, data_seen=rep, step_counter=rep,
             curvature_updates_skipped=rep, updates_skipped=rep, first_loss=rep,
         )
+
+    def prepare(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> tuple[gradients.GradientProof, str]:
+        """The host-side part of ``init``: traces the loss, builds the blocks, proves (or not) the
+        shared gradient and places the state; returns ``(gradient proof, registration table)``.
+
+        Logs where the gradient comes from, and the parameter → layer → block table (a warning
+        when a parameter fell back to a generic block).
+        """
+        func_args = self.func.make_args(params, func_state, rng, self.process(batch))
+        user_jaxpr = self.func.check_outputs(func_args)
+        self.estimator.finalize(func_args)
+        pj = self.estimator.processed_jaxpr
+        proof = gradients.prove_shared_gradient(
+            self.func.value_and_grad_func, self.func.has_aux or self.func.has_state, func_args, pj.program,
+            range(pj.params_offset, pj.params_offset + pj.num_params), user_jaxpr,
+        )
+        self.shares_gradient = proof.shared
+        logger.info(
+            "Gradient: %s (%s).", "from curvax's shared forward pass" if proof.shared else "from value_and_grad_func",
+            proof.reason,
+        )
+        names = [type(b).__name__ for b in self.estimator.blocks]
+        table = pj.registration_table(params, names)
+        has_generic = any(s.pattern == "generic" for s in pj.layer_sites)
+        logger.log(logging.WARNING if has_generic else logging.INFO, "\n%s", table)
+        self.state_shardings = self.state_shardings_for(params)
+        return proof, table
 
     # --- init and burn-in --------------------------------------------------------------------
 
