@@ -3,8 +3,8 @@
 Exists only for compatibility: code written for ``kfac_ferminet_alpha.optimizer.Optimizer``
 runs with ``from curvax.kfac_ferminet_alpha import optimizer as kfac_optim`` (and ``utils``,
 ``loss_functions``, ``layers_and_loss_tags`` likewise). The curvature, the preconditioning and
-the update are curvax's (``curvax.Optimizer._step_impl``); this module adds the alpha's calling
-convention and its few differences from kfac-jax:
+the update are curvax's (the phases of ``curvax.step``, composed by ``curvax.step.program``);
+this module adds the alpha's calling convention and its few differences from kfac-jax:
 
 * **No adaptive anything.** Learning rate, momentum and damping each come from a schedule
   (``*_schedule(step)``) or from the ``step(..., learning_rate=, momentum=, damping=)`` argument;
@@ -46,7 +46,8 @@ convention and its few differences from kfac-jax:
   supported.
 * ``estimation_mode``: the alpha's six modes; ``"fisher_empirical"``, which the alpha left
   unimplemented, works here.
-* Non-finite preconditioned gradients skip the update (curvax's guard; the alpha applied them).
+* Non-finite preconditioned gradients skip the update (curvax's guard; the alpha applied them),
+  and a non-finite burn-in batch leaves the statistics as they were (curvax's statistics guard).
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ same steps as ``curvax.Optimizer`` with that fixed learning rate, momentum and d
 (``tests/test_preconditioner.py``). The optimizer's adaptive learning rate, momentum and damping
 need the loss at the new parameters and exact curvature products, which a gradient
 transformation does not see: use ``curvax.Optimizer`` for those.
+
+Both transformations here (and kfac-jax 0.0.8's ``OptaxPreconditioner``) are compositions of
+the optimizer's own phases (``curvax.step``): the statistics update with its non-finite guard
+and counter, the inverse refresh, the preconditioning product, the norm constraint.
 """
 
 from __future__ import annotations
