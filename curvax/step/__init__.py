@@ -22,6 +22,8 @@ gradient transformations); none of them carries its own copy:
 - ``guard``: the non-finite guard, its counters, the divergence check and the host-side
   report of both.
 - ``stats``: the ``stats`` dict a step returns.
+- ``state``: ``OptimizerState``, the optimizer's persistent state (checkpoint layout).
+- ``program``: ``StepProgram``, init, burn-in and step composed of the phases above.
 
 Each function is pure (jit-compatible) unless its docstring says otherwise; the state it reads
 and writes is passed in and returned, never kept.
@@ -34,7 +36,9 @@ from curvax.step import (  # noqa: F401
     forward,
     guard,
     precondition,
+    program,
     refresh,
+    state,
     statistics,
     stats,
     value_function,
