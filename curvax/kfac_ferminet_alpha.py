@@ -3,8 +3,8 @@
 Exists only for compatibility: code written for ``kfac_ferminet_alpha.optimizer.Optimizer``
 runs with ``from curvax.kfac_ferminet_alpha import optimizer as kfac_optim`` (and ``utils``,
 ``loss_functions``, ``layers_and_loss_tags`` likewise). The curvature, the preconditioning and
-the update are curvax's (``curvax.Optimizer._step_impl``); this module adds the alpha's calling
-convention and its few differences from kfac-jax:
+the update are curvax's (the phases of ``curvax.step``, composed by ``curvax.step.program``);
+this module adds the alpha's calling convention and its few differences from kfac-jax:
 
 * **No adaptive anything.** Learning rate, momentum and damping each come from a schedule
   (``*_schedule(step)``) or from the ``step(..., learning_rate=, momentum=, damping=)`` argument;
@@ -46,7 +46,8 @@ convention and its few differences from kfac-jax:
   supported.
 * ``estimation_mode``: the alpha's six modes; ``"fisher_empirical"``, which the alpha left
   unimplemented, works here.
-* Non-finite preconditioned gradients skip the update (curvax's guard; the alpha applied them).
+* Non-finite preconditioned gradients skip the update (curvax's guard; the alpha applied them),
+  and a non-finite burn-in batch leaves the statistics as they were (curvax's statistics guard).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ from curvax import tags as _tags
 from curvax import utils
 from curvax.optimizer import Optimizer as _CurvaxOptimizer
 from curvax.optimizer import OptimizerState as _CurvaxState
+from curvax.step import config as _config
+from curvax.step import statistics as _statistics
 
 State = Mapping[str, Any]
 """The optimizer state: ``{"velocities", "estimator", "step_counter"}`` (as the alpha's)."""
@@ -139,6 +142,45 @@ def _map_block_classes(mapping: Mapping[Any, Any] | None) -> dict[str, Callable[
     return out
 
 
+def _zero_at_first_step(schedule: Callable[[Any], Any]) -> Callable[[jax.Array], jax.Array]:
+    """``schedule``, masked to 0 at step 0 (the alpha's first step has no momentum)."""
+
+    def first_step_zero(step: jax.Array) -> jax.Array:
+        value = jnp.asarray(schedule(step))
+        return jnp.where(step == 0, jnp.zeros_like(value), value)
+
+    return first_step_zero
+
+
+def _check_args(args: Mapping[str, Any]) -> dict[str, bool]:
+    """The alpha's own checks of the constructor's ``args`` (name to value); returns its bool flags.
+
+    Ranges and integers are left to ``curvax.Optimizer``, with its own messages.
+    """
+    if not callable(args["value_and_grad_func"]):
+        raise TypeError(f"`value_and_grad_func` must be callable, got {type(args['value_and_grad_func']).__name__}.")
+    if args["estimation_mode"] not in ESTIMATION_MODES:
+        raise ValueError(f"`estimation_mode` must be one of {list(ESTIMATION_MODES)}, got {args['estimation_mode']!r}.")
+    for name in ("learning_rate_schedule", "momentum_schedule", "damping_schedule", "batch_process_func"):
+        _check_optional_callable(args[name], name)
+    flags = {
+        name: _check_bool(args[name], name)
+        for name in (
+            "value_func_has_aux", "value_func_has_state", "value_func_has_rng", "register_only_generic",
+            "donate_parameters", "donate_optimizer_state", "donate_batch_inputs", "donate_func_state",
+            "multi_device", "use_jax_cond", "debug",
+        )
+    }
+    if not isinstance(args["pmap_axis_name"], str):
+        raise TypeError(f"`pmap_axis_name` must be a str, got {args['pmap_axis_name']!r}.")
+    if flags["multi_device"] and flags["debug"]:
+        raise ValueError(
+            "debug=True runs without jit or pmap, so it cannot run multi_device=True (inputs with a leading "
+            "device axis); pass one of them."
+        )
+    return flags
+
+
 class Optimizer:
     """``kfac_ferminet_alpha.optimizer.Optimizer`` on curvax's K-FAC (kept for compatibility).
 
@@ -177,53 +219,15 @@ class Optimizer:
         debug: bool = False,
         pmap_axis_name: str = "kfac_axis",
     ):
-        if not callable(value_and_grad_func):
-            raise TypeError(f"`value_and_grad_func` must be callable, got {type(value_and_grad_func).__name__}.")
-        if estimation_mode not in ESTIMATION_MODES:
-            raise ValueError(f"`estimation_mode` must be one of {list(ESTIMATION_MODES)}, got {estimation_mode!r}.")
-        for name, value in (
-            ("learning_rate_schedule", learning_rate_schedule),
-            ("momentum_schedule", momentum_schedule),
-            ("damping_schedule", damping_schedule),
-            ("batch_process_func", batch_process_func),
-        ):
-            _check_optional_callable(value, name)
-        flags = {
-            name: _check_bool(value, name)
-            for name, value in (
-                ("value_func_has_aux", value_func_has_aux),
-                ("value_func_has_state", value_func_has_state),
-                ("value_func_has_rng", value_func_has_rng),
-                ("register_only_generic", register_only_generic),
-                ("donate_parameters", donate_parameters),
-                ("donate_optimizer_state", donate_optimizer_state),
-                ("donate_batch_inputs", donate_batch_inputs),
-                ("donate_func_state", donate_func_state),
-                ("multi_device", multi_device),
-                ("use_jax_cond", use_jax_cond),
-                ("debug", debug),
-            )
-        }
-        if not isinstance(pmap_axis_name, str):
-            raise TypeError(f"`pmap_axis_name` must be a str, got {pmap_axis_name!r}.")
-        if flags["multi_device"] and flags["debug"]:
-            raise ValueError(
-                "debug=True runs without jit or pmap, so it cannot run multi_device=True (inputs with a leading "
-                "device axis); pass one of them."
-            )
+        """Checks the arguments (the alpha's checks here, the rest by ``curvax.Optimizer``) and
+        builds the ``curvax.Optimizer`` that does the work; nothing is traced here."""
+        flags = _check_args(locals())
+        for name, value in flags.items():  # value_func_has_*, register_only_generic, donate_*, multi_device, ...
+            setattr(self, name, value)
         self.value_and_grad_func = value_and_grad_func
-        self.value_func_has_aux = flags["value_func_has_aux"]
-        self.value_func_has_state = flags["value_func_has_state"]
-        self.value_func_has_rng = flags["value_func_has_rng"]
         self.l2_reg = l2_reg
         self.learning_rate_schedule = learning_rate_schedule
-        self.momentum_schedule = None
-        if momentum_schedule is not None:
-            def first_step_zero(step: jax.Array) -> jax.Array:
-                value = jnp.asarray(momentum_schedule(step))
-                return jnp.where(step == 0, jnp.zeros_like(value), value)
-
-            self.momentum_schedule = first_step_zero
+        self.momentum_schedule = None if momentum_schedule is None else _zero_at_first_step(momentum_schedule)
         self.damping_schedule = damping_schedule
         self.min_damping = min_damping
         self.max_damping = max_damping
@@ -232,17 +236,9 @@ class Optimizer:
         self.estimation_mode = estimation_mode
         self.curvature_ema = curvature_ema
         self.inverse_update_period = inverse_update_period
-        self.register_only_generic = flags["register_only_generic"]
         self.layer_tag_to_block_cls = layer_tag_to_block_cls
         self.patterns_to_skip = tuple(patterns_to_skip)
-        self.donate_parameters = flags["donate_parameters"]
-        self.donate_optimizer_state = flags["donate_optimizer_state"]
-        self.donate_batch_inputs = flags["donate_batch_inputs"]
-        self.donate_func_state = flags["donate_func_state"]
         self.batch_process_func = batch_process_func
-        self.multi_device = flags["multi_device"]
-        self.use_jax_cond = flags["use_jax_cond"]
-        self.debug = flags["debug"]
         self.pmap_axis_name = pmap_axis_name if self.multi_device else None
 
         # curvax validates the remaining arguments (ranges, integers) with its own messages.
@@ -270,6 +266,12 @@ class Optimizer:
             debug=self.debug,
             pmap_axis_name=pmap_axis_name,
         )
+        self._compile()
+        self.finalized = False
+
+    def _compile(self) -> None:
+        """``jax.jit`` (``jax.pmap`` with ``multi_device``, nothing with ``debug``) of the step and
+        the burn-in, donating the buffers the ``donate_*`` flags name."""
         # Arguments of _step: params, state, rng, batch, func_state, batch_size, lr, momentum, damping.
         donate = []
         if self.donate_parameters:
@@ -285,14 +287,14 @@ class Optimizer:
             self._step_fn = self._step
             self._burnin_fn = self._burnin
         elif self.multi_device:
+            axis = self.pmap_axis_name
             self._step_fn = jax.pmap(
-                self._step, axis_name=pmap_axis_name, static_broadcasted_argnums=(5,), donate_argnums=self.donate_argnums
+                self._step, axis_name=axis, static_broadcasted_argnums=(5,), donate_argnums=self.donate_argnums
             )
-            self._burnin_fn = jax.pmap(self._burnin, axis_name=pmap_axis_name, static_broadcasted_argnums=(5,))
+            self._burnin_fn = jax.pmap(self._burnin, axis_name=axis, static_broadcasted_argnums=(5,))
         else:
             self._step_fn = jax.jit(self._step, static_argnums=(5,), donate_argnums=self.donate_argnums)
             self._burnin_fn = jax.jit(self._burnin, static_argnums=(5,))
-        self.finalized = False
 
     @staticmethod
     def _make_inner(*args: Any, **kwargs: Any) -> _CurvaxOptimizer:
@@ -358,37 +360,33 @@ class Optimizer:
 
     # --- the per-call functions (compiled unless debug) -----------------------------------------
 
-    def _batch_size_of(self, batch: Any, batch_size: int | None) -> Any:
-        return self._inner._batch_size_extractor(batch) if batch_size is None else batch_size
-
     def _burnin(self, params: Any, state: State, rng: jax.Array, batch: Any, func_state: Any, batch_size: int | None):
-        """One burn-in update: the statistics of ``batch`` enter with weight ``1/num_burnin_steps``."""
-        inner = self._inner
-        if self.batch_process_func is not None:
-            batch = self.batch_process_func(batch)
+        """One burn-in update: the statistics of ``batch`` enter with weight ``1/num_burnin_steps``.
+
+        Through curvax's statistics phase (``curvax.step.statistics``): a non-finite batch's
+        update is dropped. As in the alpha, the burn-in does not average the statistics over
+        the pmap devices.
+        """
+        program = self._inner._program
+        batch = program.process(batch)
         rng, func_rng = jax.random.split(rng) if self.value_func_has_rng else (rng, None)
-        func_args = inner._make_func_args(params, func_state, func_rng, batch)
-        est = inner.estimator.update_curvature_matrix_estimate(
-            state["estimator"], 1.0, 1.0 / self.num_burnin_steps, self._batch_size_of(batch, batch_size), rng,
-            func_args, pmap_axis_name=self.pmap_axis_name, estimation_mode=self.estimation_mode,
+        func_args = program.func.make_args(params, func_state, func_rng, batch)
+        size = program.batch_size_extractor(batch) if batch_size is None else batch_size
+        est, _ = _statistics.update_from_args(
+            self._inner.estimator, state["estimator"], 1.0, 1.0 / self.num_burnin_steps, size, rng, func_args,
+            self.pmap_axis_name, self.estimation_mode, sync=False,
         )
         if self.value_func_has_state:
-            func_state = inner._split_outputs(self.value_and_grad_func(*func_args)[0])[1]
+            func_state = program.func.split_outputs(self.value_and_grad_func(*func_args)[0])[1]
         return dict(state, estimator=est), func_state
 
     def _step(self, params, state, rng, batch, func_state, batch_size, learning_rate, momentum, damping):
-        """One update through ``curvax.Optimizer._step_impl``, with the alpha's stats."""
-        inner = self._inner
+        """One update through ``curvax.Optimizer``'s step (``curvax.step.program``), with the alpha's stats."""
         step = state["step_counter"]
-        extractor = inner._batch_size_extractor
-        if batch_size is not None:
-            inner._batch_size_extractor = lambda b: batch_size
-        try:
-            new_params, new_state, new_func_state, inner_stats = inner._step_impl(
-                params, self._to_curvax(state, 0.0), rng, batch, func_state, learning_rate, momentum, damping
-            )
-        finally:
-            inner._batch_size_extractor = extractor
+        new_params, new_state, new_func_state, inner_stats = self._inner._step_impl(
+            params, self._to_curvax(state, 0.0), rng, batch, func_state, learning_rate, momentum, damping,
+            batch_size_override=batch_size,
+        )
         stats = {
             "step": step,
             "loss": inner_stats["loss"],
@@ -448,29 +446,8 @@ class Optimizer:
         return int(counter)
 
     def _scalar(self, value: Any, name: str) -> jax.Array:
-        """A float32 scalar; with ``multi_device`` one per device (shape ``(devices,)``) for ``pmap``."""
-        if self.multi_device:
-            return _parallel.device_scalar(0.0 if value is None else value, jax.local_device_count(), name)
-        if value is None:
-            return jnp.zeros([], jnp.float32)
-        try:
-            arr = jnp.asarray(value, jnp.float32)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"`{name}` must be a scalar number, got {type(value).__name__}.") from e
-        if arr.ndim != 0:
-            raise ValueError(f"`{name}` must be a scalar, got shape {arr.shape}.")
-        return arr
-
-    def _split(self, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
-        if self.multi_device:
-            return _parallel.split_keys(rng, 2, True)
-        return tuple(jax.random.split(rng))
-
-    def _check_batch(self, batch: Any) -> None:
-        if self.multi_device:
-            _parallel.check_device_axis({"batch": batch}, jax.local_device_count())
-            batch = _parallel.local_shapes(batch)
-        utils.check_batch_leading_sizes(batch)
+        """A float32 scalar (None: 0); with ``multi_device`` one per device (shape ``(devices,)``) for ``pmap``."""
+        return _config.scalar_arg(value, name, self.multi_device)
 
     def step(
         self,
@@ -501,7 +478,7 @@ class Optimizer:
         damp = self._scalar(damping, "damping")
         if step_int == 0:
             for i in range(self.num_burnin_steps):
-                rng, key = self._split(rng)
+                rng, key = _parallel.split_keys(rng, 2, self.multi_device)
                 try:
                     burn_batch = next(data_iterator)
                 except StopIteration:
@@ -509,7 +486,7 @@ class Optimizer:
                         f"num_burnin_steps={self.num_burnin_steps}: the first step needs {self.num_burnin_steps + 1} "
                         f"batches from `data_iterator`, which ran out after {i}."
                     ) from None
-                self._check_batch(burn_batch)
+                self._inner._check_batch(burn_batch)
                 state, func_state = self._burnin_fn(params, state, key, burn_batch, func_state, batch_size)
             if self.momentum_schedule is None:
                 mom = jnp.zeros_like(mom)  # the alpha treats the first step's momentum as 0
@@ -517,7 +494,7 @@ class Optimizer:
             batch = next(data_iterator)
         except StopIteration:
             raise ValueError("`data_iterator` has no batch left for this step.") from None
-        self._check_batch(batch)
+        self._inner._check_batch(batch)
         params, state, func_state, stats = self._step_fn(params, state, rng, batch, func_state, batch_size, lr, mom, damp)
         if self.value_func_has_state:
             return params, state, func_state, stats

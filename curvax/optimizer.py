@@ -1,26 +1,31 @@
 """The K-FAC optimizer, with kfac-jax's documented interface.
 
-One step, compiled once (periodic work is ``lax.cond`` inside it):
+One step, compiled once (periodic work is ``lax.cond`` inside it), composed of the phases in
+``curvax.step`` (``curvax.step.program.StepProgram.step``):
 
-1. one forward pass of the user's value function through our tracer, linearized;
+1. one forward pass of the user's value function through our tracer, linearized
+   (``curvax.step.forward``);
 2. transposes of that linearization give the gradient and the gradients of the
    sampled loss w.r.t. every layer output (curvature statistics, every
-   ``curvature_update_period`` steps: 1 by default, as in kfac-jax). With
-   ``curvature_batch_fraction < 1`` the curvature (statistics and the exact
+   ``curvature_update_period`` steps: 1 by default, as in kfac-jax; ``curvax.step.statistics``).
+   With ``curvature_batch_fraction < 1`` the curvature (statistics and the exact
    quadratic model below) comes from a second linearization, on a random sub-batch;
-3. every ``inverse_update_period`` steps the blocks refresh their inverses;
-4. the preconditioned gradient ``Delta = (C + (l2 + damping) I)^-1 g``;
+3. every ``inverse_update_period`` steps the blocks refresh their inverses (``curvax.step.refresh``);
+4. the preconditioned gradient ``Delta = (C + (l2 + damping) I)^-1 g`` (``curvax.step.precondition``);
 5. learning rate and momentum either given, scheduled, or chosen by minimising
    the quadratic model over ``span(Delta, velocity)`` (exact curvature products
-   come from the same linearization);
+   come from the same linearization; ``curvax.step.coefficients``); non-finite updates are
+   skipped and counted (``curvax.step.guard``);
 6. every ``damping_adaptation_interval`` steps the Levenberg–Marquardt rule
-   moves the damping by ``decay ** interval`` from the reduction ratio.
+   moves the damping by ``decay ** interval`` from the reduction ratio (``curvax.step.damping``).
+
+This module adds the host side: the constructor (arguments checked by
+``curvax.step.config``), ``init`` (tracing, the gradient proof), compilation (``jax.jit`` or
+kfac-jax's ``jax.pmap`` mode), the burn-in loop and the reports.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
 import math
 import warnings
@@ -28,19 +33,21 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from curvax import _compat, estimators, gradients, parallel, utils
-from curvax.transforms import assemble_layer_data, zero_tangents
+from curvax import _compat, estimators, parallel, utils
+from curvax.step import coefficients as _coefficients
+from curvax.step import config as _config
+from curvax.step import damping as _damping
+from curvax.step import guard as _guard
+from curvax.step.program import StepProgram
+from curvax.step.state import OptimizerState
+from curvax.step.value_function import ValueFunction
 
 logger = logging.getLogger("curvax")
 
 # A finite loss this many times larger in magnitude than the first finite loss (or than 1) is
 # reported as diverging (``stats["loss_diverged"]`` and a warning in the "curvax" log).
-DIVERGENCE_FACTOR = 1e3
-# How many steps' reports may wait for their device results before ``step`` waits for the oldest.
-_REPORT_BACKLOG = 8
-
+DIVERGENCE_FACTOR = _guard.DIVERGENCE_FACTOR
 
 # kfac-jax 0.0.8's name for the argument tuples of the value function (compatibility only):
 # ``(params, batch)``, ``(params, func_state, batch)``, ``(params, rng, batch)`` or all four.
@@ -49,39 +56,6 @@ FuncArgsVariants = tuple
 HAIKU_BIASES = "b,bias"
 HAIKU_BIASES_AND_NORMS = "b,bias,scale,offset"
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class OptimizerState:
-    """Persistent optimizer state (a pytree).
-
-    velocities: the last update ``theta_t - theta_{t-1}``; estimator_state: the
-    curvature blocks; damping: current damping; data_seen: examples processed;
-    step_counter: the step number; curvature_updates_skipped: statistics updates dropped
-    because they were not finite; updates_skipped: parameter updates skipped because the
-    loss, gradient or update was not finite; first_loss: the first finite loss (NaN before),
-    the reference of the divergence check.
-    """
-
-    velocities: Any
-    estimator_state: Any
-    damping: jax.Array
-    data_seen: jax.Array
-    step_counter: jax.Array
-    # Ours, with defaults so that kfac-jax's five-field construction still works.
-    curvature_updates_skipped: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros([], jnp.int32))
-    updates_skipped: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros([], jnp.int32))
-    first_loss: jax.Array = dataclasses.field(default_factory=lambda: jnp.asarray(jnp.nan, jnp.float32))
-
-
-def _as_float(x: Any, name: str) -> jax.Array:
-    try:
-        arr = jnp.asarray(x, dtype=jnp.float32)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"`{name}` must be a scalar number, got {type(x).__name__}.") from e
-    if arr.ndim != 0:
-        raise ValueError(f"`{name}` must be a scalar, got shape {arr.shape}.")
-    return arr
 
 
 class Optimizer:
@@ -416,151 +390,49 @@ class Optimizer:
         Every argument is explained in the class docstring (``help(curvax.Optimizer)``). Nothing
         is traced or compiled here: ``init`` traces the value function on its example batch.
         """
-        if not callable(value_and_grad_func):
-            raise TypeError(f"`value_and_grad_func` must be callable, got {type(value_and_grad_func).__name__}.")
-        if multi_device and (not isinstance(pmap_axis_name, str) or not pmap_axis_name):
-            raise TypeError(f"multi_device=True needs `pmap_axis_name`, a non-empty string; got {pmap_axis_name!r}.")
-        if use_adaptive_learning_rate and learning_rate_schedule is not None:
-            raise ValueError("Pass either use_adaptive_learning_rate=True or a learning_rate_schedule, not both.")
-        if use_adaptive_momentum and momentum_schedule is not None:
-            raise ValueError("Pass either use_adaptive_momentum=True or a momentum_schedule, not both.")
-        if use_adaptive_damping and damping_schedule is not None:
-            raise ValueError("Pass either use_adaptive_damping=True or a damping_schedule, not both.")
-        if use_adaptive_damping and initial_damping is None:
-            raise ValueError("use_adaptive_damping=True needs `initial_damping` (e.g. initial_damping=1.0).")
-        if norm_constraint is not None and use_adaptive_learning_rate:
-            raise ValueError("`norm_constraint` can only be used with a fixed or scheduled learning rate.")
-        for name, v in (
-            ("damping_adaptation_interval", damping_adaptation_interval),
-            ("inverse_update_period", inverse_update_period),
-            ("curvature_update_period", curvature_update_period),
-        ):
-            utils.check_int(v, name, 1)
-        utils.check_number(curvature_batch_fraction, "curvature_batch_fraction", 0.0, 1.0, low_open=True, high_open=False)
-        if not isinstance(num_burnin_steps, (int, np.integer)) or num_burnin_steps < 0:
-            raise ValueError(f"`num_burnin_steps` must be a non-negative integer, got {num_burnin_steps!r}.")
-        if not 0.0 <= float(curvature_ema) <= 1.0:
-            raise ValueError(f"`curvature_ema` must lie in [0, 1], got {curvature_ema}.")
-        if float(l2_reg) < 0:
-            raise ValueError(f"`l2_reg` must be non-negative, got {l2_reg}.")
-        if initial_damping is not None:  # negative never; zero only with l2_reg > 0 (utils.check_damping)
-            utils.check_damping(initial_damping, "initial_damping", float(l2_reg))
-        if use_adaptive_damping:  # adaptation multiplies the damping: it could never leave 0
-            utils.check_damping(min_damping, "min_damping", float(l2_reg))
-        if not float(damping_lower_threshold) <= float(damping_upper_threshold):
-            raise ValueError("`damping_lower_threshold` must not exceed `damping_upper_threshold`.")
-        estimators.check_estimation_mode(estimation_mode)
-        auto_kwargs = dict(auto_register_kwargs or {})
-        # kfac-jax 0.0.8's constructor arguments that curvax does not implement: their defaults
-        # are accepted, anything else is refused rather than silently ignored.
-        for name, given, default in (
-            ("regularized_parameters_path_exclusions", regularized_parameters_path_exclusions, ""),
-            ("use_initial_damping_calibration", use_initial_damping_calibration, False),
-            ("use_step_rejection", use_step_rejection, False),
-            ("reject_damping_increase_factor", reject_damping_increase_factor, 1.0),
-            ("custom_estimator_ctor", custom_estimator_ctor, None),
-            ("include_registered_loss_in_stats", include_registered_loss_in_stats, False),
-            ("num_estimator_samples", num_estimator_samples, 1),
-            ("should_vmap_estimator_samples", should_vmap_estimator_samples, False),
-            ("norm_to_scale_identity_weight_per_block", norm_to_scale_identity_weight_per_block, None),
-            ("precon_power", precon_power, -1.0),
-            ("exact_quad_model_matrix_type", exact_quad_model_matrix_type, None),
-        ):
-            if not (given is default or (default is not None and given == default)):
-                raise NotImplementedError(
-                    f"`{name}`={given!r} (a kfac-jax 0.0.8 argument) is not implemented by curvax; only its "
-                    f"default {default!r} is accepted."
-                )
-        if not (isinstance(invalid_metric_value, float) and math.isnan(invalid_metric_value)):
-            raise NotImplementedError("`invalid_metric_value` other than nan (kfac-jax 0.0.8) is not implemented by curvax.")
-        if value_func_for_estimator is not None and not callable(value_func_for_estimator):
-            raise TypeError(f"`value_func_for_estimator` must be callable, got {type(value_func_for_estimator).__name__}.")
-        if precon_damping_schedule is not None and not callable(precon_damping_schedule):
-            raise TypeError(f"`precon_damping_schedule` must be callable, got {type(precon_damping_schedule).__name__}.")
-        utils.check_number(precon_damping_mult, "precon_damping_mult", 0.0, math.inf, low_open=True)
-        if not use_automatic_registration:
-            auto_kwargs.setdefault("auto_register_tags", False)
-        self._precon_damping_mult = float(precon_damping_mult)
-        self._precon_damping_schedule = precon_damping_schedule
-        self._value_func_for_estimator = value_func_for_estimator
-
-        self._value_and_grad_func = value_and_grad_func
-        self._l2_reg = float(l2_reg)
-        self._has_aux = bool(value_func_has_aux)
-        self._has_state = bool(value_func_has_state)
-        self._has_rng = bool(value_func_has_rng)
-        self._adaptive_lr = bool(use_adaptive_learning_rate)
-        self._lr_schedule = learning_rate_schedule
-        self._adaptive_momentum = bool(use_adaptive_momentum)
-        self._momentum_schedule = momentum_schedule
-        self._adaptive_damping = bool(use_adaptive_damping)
-        self._damping_schedule = damping_schedule
-        self._initial_damping = initial_damping
-        self._min_damping = float(min_damping)
-        self._max_damping = float(max_damping)
-        self._include_damping_in_quad_change = bool(include_damping_in_quad_change)
-        self._damping_interval = int(damping_adaptation_interval)
-        self._damping_decay = float(damping_adaptation_decay)
-        self._lower = float(damping_lower_threshold)
-        self._upper = float(damping_upper_threshold)
-        self._always_exact_qmodel = bool(always_use_exact_qmodel_for_damping_adjustment)
-        self._norm_constraint = norm_constraint
-        self._num_burnin_steps = int(num_burnin_steps)
-        self._estimation_mode = estimation_mode
-        self._curvature_ema = float(curvature_ema)
-        self._inverse_update_period = int(inverse_update_period)
-        if not isinstance(inverse_update_staggered, (bool, np.bool_)):
-            raise TypeError(f"`inverse_update_staggered` must be a bool, got {inverse_update_staggered!r}.")
-        if inverse_update_staggered and self._inverse_update_period == 1:
-            raise ValueError(
-                "`inverse_update_staggered=True` needs `inverse_update_period` > 1 (with 1 every step "
-                "computes every inverse: there is nothing to stagger)."
-            )
-        self._inverse_update_staggered = bool(inverse_update_staggered)
-        self._curvature_update_period = int(curvature_update_period)
-        self._curvature_batch_fraction = float(curvature_batch_fraction)
-        self._use_exact_inverses = bool(use_exact_inverses)
-        self._batch_process_func = batch_process_func
-        self._debug = bool(debug)
-        self._batch_size_extractor = batch_size_extractor
+        args = {name: value for name, value in locals().items() if name != "self"}
+        _config.check_optimizer_args(args)
+        self._config = _config.optimizer_config(args)
+        self._func = ValueFunction(
+            value_and_grad_func, bool(value_func_has_aux), bool(value_func_has_state), bool(value_func_has_rng)
+        )
+        self._has_state = self._func.has_state
+        self._multi_device = bool(multi_device)
+        # kfac-jax's pmap mode: every input has a leading device axis and every batch quantity is
+        # averaged over it (`self._axis`, None otherwise).
+        self._axis: str | None = pmap_axis_name if self._multi_device else None
         self._pmap_axis_name = pmap_axis_name
-        self._include_norms = bool(include_norms_in_stats)
-        self._include_per_param_norms = bool(include_per_param_norms_in_stats)
+        self._debug = bool(debug)
         self.distributed_precon_apply = distributed_precon_apply
         self.distributed_inverses = distributed_inverses
         self._burnin_warned = False
-        self._pending_reports: collections.deque = collections.deque()  # see `_report`
+        self._report = _guard.Reporter()
         self.trace_count = 0  # how many times the step function was traced (compiled)
-
-        self._estimator = estimators.BlockDiagonalCurvature(
-            value_func_for_estimator if value_func_for_estimator is not None else self._value_func,
-            params_index=0,
-            default_estimation_mode=estimation_mode,
-            layer_tag_to_block_ctor=layer_tag_to_block_ctor,
-            register_only_generic=register_only_generic,
-            patterns_to_skip=tuple(patterns_to_skip),
-            **auto_kwargs,
+        self._estimator = _config.estimator_from_args(args, self._func.value)
+        self._program = StepProgram(
+            self._config, self._func, self._estimator, batch_process_func, batch_size_extractor, self._axis,
+            bool(include_norms_in_stats), bool(include_per_param_norms_in_stats),
         )
         self._params_spec: Any = None
-        self._state_shardings: OptimizerState | None = None
-        # kfac-jax's pmap mode: every input has a leading device axis and every batch quantity is
-        # averaged over it (`self._axis`, None otherwise). As in kfac-jax, the step donates the
-        # parameters, the state and func_state, and the burn-in its state.
-        self._multi_device = bool(multi_device)
-        self._axis: str | None = pmap_axis_name if self._multi_device else None
-        if self._multi_device:
-            pmap = lambda f, donate=(): jax.pmap(f, axis_name=pmap_axis_name, donate_argnums=donate)
-            self._jit_step = pmap(self._step_impl, (0, 1, 4))
-            self._jit_burnin = pmap(self._burnin_impl, (1,))
-            self._jit_init = pmap(self._init_impl)
-        else:
-            wrap = (lambda f, **kw: f) if self._debug else jax.jit
-            self._jit_step = wrap(self._step_impl)
-            self._jit_burnin = wrap(self._burnin_impl)
-            self._jit_init = wrap(self._init_impl)
+        self._compile()
         self._forbid = bool(forbid_setting_attributes_after_finalize)
         self._modifiable = frozenset(modifiable_attribute_exceptions)
         self._finalized = True
+
+    def _compile(self) -> None:
+        """Wraps init, burn-in and step in ``jax.jit`` (nothing with ``debug``) or, in the pmap
+        mode, ``jax.pmap``; as in kfac-jax, the pmapped step donates the parameters, the state
+        and func_state, and the burn-in its state."""
+        if self._multi_device:
+            pmap = lambda f, donate=(): jax.pmap(f, axis_name=self._pmap_axis_name, donate_argnums=donate)
+            self._jit_step = pmap(self._step_impl, (0, 1, 4))
+            self._jit_burnin = pmap(self._program.burnin, (1,))
+            self._jit_init = pmap(self._program.init)
+        else:
+            wrap = (lambda f, **kw: f) if self._debug else jax.jit
+            self._jit_step = wrap(self._step_impl)
+            self._jit_burnin = wrap(self._program.burnin)
+            self._jit_init = wrap(self._program.init)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if getattr(self, "_finalized", False) and self._forbid and not name.startswith("_") and name not in self._modifiable and name != "trace_count":
@@ -589,12 +461,12 @@ class Optimizer:
     @property
     def num_burnin_steps(self) -> int:
         """Number of curvature-estimation (burn-in) steps run at step 0, before the first update."""
-        return self._num_burnin_steps
+        return self._config.num_burnin_steps
 
     @property
     def l2_reg(self) -> jax.Array:
         """The L2 regularisation coefficient, as an array."""
-        return jnp.asarray(self._l2_reg)
+        return jnp.asarray(self._config.l2_reg)
 
     @property
     def estimator(self) -> estimators.BlockDiagonalCurvature:
@@ -604,79 +476,14 @@ class Optimizer:
     @property
     def damping_decay_factor(self) -> float:
         """Factor applied to the damping per adaptive-damping update: ``decay ** interval``."""
-        return self._damping_decay**self._damping_interval
+        return _damping.decay_factor(self._config)
 
     def should_update_damping(self, state: OptimizerState) -> jax.Array:
         """Whether this step adapts the damping: adaptive damping is on and the next step counter is a multiple of the interval.
 
         ``state`` is the ``Optimizer.State`` the step starts from; the answer is a boolean array.
         """
-        return self._adaptive_damping & ((state.step_counter + 1) % self._damping_interval == 0)
-
-    # --- the user function ---------------------------------------------------------------------
-
-    def _value_func(self, *args: Any) -> Any:
-        return self._value_and_grad_func(*args)[0]
-
-    def _make_func_args(self, params: Any, func_state: Any, rng: Any, batch: Any) -> tuple:
-        args = [params]
-        if self._has_state:
-            args.append(func_state)
-        if self._has_rng:
-            args.append(rng)
-        args.append(batch)
-        return tuple(args)
-
-    def _split_outputs(self, out: Any) -> tuple[Any, Any, Any]:
-        """``(loss, func_state, aux)`` from the value function's output."""
-        if not self._has_state and not self._has_aux:
-            return out, None, None
-        loss, rest = out
-        if self._has_state and self._has_aux:
-            return loss, rest[0], rest[1]
-        if self._has_state:
-            return loss, rest, None
-        return loss, None, rest
-
-    def _check_value_and_grad_output(self, func_args: Sequence[Any]) -> Any:
-        """Checks the user function's outputs against the ``value_func_has_*`` flags; returns its
-        jaxpr (for the gradient proof, so that the function is traced once)."""
-        try:
-            jaxpr, out = jax.make_jaxpr(self._value_and_grad_func, return_shape=True)(*func_args)
-        except TypeError as e:
-            raise TypeError(
-                f"Calling value_and_grad_func{self._signature()} failed: {e}. Check the "
-                "value_func_has_state/value_func_has_rng flags against your function's arguments."
-            ) from e
-        flags = f"(value_func_has_aux={self._has_aux}, value_func_has_state={self._has_state})"
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ValueError(f"value_and_grad_func must return (value, grads); got {type(out).__name__}.")
-        value, grads = out
-        if jax.tree_util.tree_structure(grads) != jax.tree_util.tree_structure(func_args[0]):
-            raise ValueError("The gradients returned by value_and_grad_func do not have the structure of the parameters.")
-        expect = "loss" if not (self._has_aux or self._has_state) else "(loss, " + (
-            "(func_state, aux)" if self._has_aux and self._has_state else "func_state" if self._has_state else "aux"
-        ) + ")"
-        try:
-            if self._has_aux or self._has_state:
-                if not isinstance(value, (tuple, list)) or len(value) != 2:
-                    raise ValueError
-                if self._has_aux and self._has_state and (not isinstance(value[1], (tuple, list)) or len(value[1]) != 2):
-                    raise ValueError
-                loss = value[0]
-            else:
-                loss = value
-            if not hasattr(loss, "shape") or loss.shape != ():
-                raise ValueError
-        except ValueError:
-            raise ValueError(
-                f"value_and_grad_func's value must be {expect} with a scalar loss {flags}; got {_describe(value)}."
-            ) from None
-        return jaxpr
-
-    def _signature(self) -> str:
-        parts = ["params"] + (["func_state"] if self._has_state else []) + (["rng"] if self._has_rng else []) + ["batch"]
-        return "(" + ", ".join(parts) + ")"
+        return _damping.due(self._config, state.step_counter)
 
     # --- init ------------------------------------------------------------------------------------
 
@@ -723,7 +530,7 @@ class Optimizer:
             # The slice is taken off the pmap's mesh, so that the trace fits inside the pmapped step.
             with _compat.bound_axes([(self._pmap_axis_name, n)]):
                 self._prepare(*parallel.unplaced_slice((params, rng, batch, func_state)))
-            self._state_shardings = None  # pmap places the state itself
+            self._program.state_shardings = None  # pmap places the state itself
             return self._jit_init(params, rng, batch, func_state)
         self._prepare(params, rng, batch, func_state)
         return self._jit_init(params, rng, batch, func_state)
@@ -734,28 +541,8 @@ class Optimizer:
         utils.check_batch_leading_sizes(batch)
         if self._has_state and func_state is None:
             raise ValueError("value_func_has_state=True: pass `func_state` to init.")
-        if self._batch_process_func is not None:
-            batch = self._batch_process_func(batch)
-        func_args = self._make_func_args(params, func_state, rng, batch)
-        user_jaxpr = self._check_value_and_grad_output(func_args)
-        self._estimator.finalize(func_args)
-        pj = self._estimator.processed_jaxpr
-        self._gradient_proof = gradients.prove_shared_gradient(
-            self._value_and_grad_func, self._has_aux or self._has_state, func_args, pj.program,
-            range(pj.params_offset, pj.params_offset + pj.num_params), user_jaxpr,
-        )
-        logger.info(
-            "Gradient: %s (%s).",
-            "from curvax's shared forward pass" if self._gradient_proof.shared else "from value_and_grad_func",
-            self._gradient_proof.reason,
-        )
+        self._gradient_proof, self._registration_table = self._program.prepare(params, rng, batch, func_state)
         self._params_spec = utils.tree_spec(params)
-        names = [type(b).__name__ for b in self._estimator.blocks]
-        table = self._estimator.processed_jaxpr.registration_table(params, names)
-        has_generic = any(s.pattern == "generic" for s in self._estimator.processed_jaxpr.layer_sites)
-        logger.log(logging.WARNING if has_generic else logging.INFO, "\n%s", table)
-        self._registration_table = table
-        self._state_shardings = self._state_shardings_for(params)
 
     @property
     def shares_gradient_pass(self) -> bool:
@@ -782,46 +569,6 @@ class Optimizer:
         if self._params_spec is None:
             raise RuntimeError("Call `init` first.")
         return self._registration_table
-
-    def _cache_powers(self) -> tuple[Any, Any]:
-        if self._inverse_update_period == 1:
-            return None, None
-        return (-1, None) if self._use_exact_inverses else (None, -1)
-
-    def _state_shardings_for(self, params: Any) -> OptimizerState | None:
-        """Where the state lives when ``params`` span a mesh of several devices (else None).
-
-        Velocities take the parameters' shardings; everything else is replicated on their mesh
-        (see ``curvax.parallel``).
-        """
-        mesh = parallel.params_mesh(params)
-        if mesh is None:
-            return None
-        rep = parallel.replicated(mesh)
-        velocities = jax.tree_util.tree_map(lambda x: x.sharding, params)
-        return OptimizerState(
-            velocities=velocities, estimator_state=rep, damping=rep, data_seen=rep, step_counter=rep,
-            curvature_updates_skipped=rep, updates_skipped=rep, first_loss=rep,
-        )
-
-    def _init_impl(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> OptimizerState:
-        if self._batch_process_func is not None:
-            batch = self._batch_process_func(batch)
-        func_args = self._make_func_args(params, func_state, rng, batch)
-        exact, approx = self._cache_powers()
-        est_state = self._estimator.init(rng, func_args, exact, approx, False)
-        damping = jnp.asarray(self._initial_damping if self._initial_damping is not None else 0.0, jnp.float32)
-        state = OptimizerState(
-            velocities=utils.tree_zeros_like(params),
-            estimator_state=est_state,
-            damping=damping,
-            data_seen=jnp.zeros([], jnp.int32),
-            step_counter=jnp.zeros([], jnp.int32),
-            curvature_updates_skipped=jnp.zeros([], jnp.int32),
-            updates_skipped=jnp.zeros([], jnp.int32),
-            first_loss=jnp.asarray(jnp.nan, jnp.float32),
-        )
-        return parallel.constrain(state, self._state_shardings)
 
     # --- burn-in -------------------------------------------------------------------------------
 
@@ -850,27 +597,6 @@ class Optimizer:
             state = self._jit_burnin(params, state, key, batch, func_state)
         return state, func_state
 
-    def _burnin_impl(self, params: Any, state: OptimizerState, rng: jax.Array, batch: Any, func_state: Any) -> OptimizerState:
-        if self._batch_process_func is not None:
-            batch = self._batch_process_func(batch)
-        k1, k2 = jax.random.split(rng)
-        sub_batch = self._curvature_batch(k1, batch)
-        func_args = self._make_func_args(params, func_state, k2, sub_batch)
-        if sub_batch is not batch:
-            self._trace(func_args, sub_batch=True)
-        batch = sub_batch
-        est = self._estimator.update_curvature_matrix_estimate(
-            state.estimator_state, 1.0, 1.0, self._batch_size_extractor(batch), k1, func_args,
-            pmap_axis_name=self._axis, estimation_mode=self._estimation_mode,
-        )
-        est = self._estimator.sync(est, self._axis)  # multi_device: average each device's statistics
-        # A non-finite batch must not poison the statistics: drop its update (counted in the state).
-        est, skipped = estimators.keep_finite_statistics(state.estimator_state, est, self._axis)
-        state = dataclasses.replace(
-            state, estimator_state=est, curvature_updates_skipped=state.curvature_updates_skipped + skipped
-        )
-        return parallel.constrain(state, self._state_shardings)
-
     def _check_batch(self, batch: Any) -> None:
         """Batch leaves agree on their batch size (and, with ``multi_device``, carry the device axis)."""
         if self._multi_device:
@@ -889,19 +615,7 @@ class Optimizer:
         ``step_counter`` (the state's counter) as a Python int (kfac-jax's method; ``step``
         calls it).
         """
-        for name, given, adaptive, schedule in (
-            ("learning_rate", learning_rate, self._adaptive_lr, self._lr_schedule),
-            ("momentum", momentum, self._adaptive_momentum, self._momentum_schedule),
-            ("damping", damping, self._adaptive_damping, self._damping_schedule),
-        ):
-            if adaptive and given is not None:
-                raise ValueError(f"`{name}` was passed to step, but use_adaptive_{name}=True chooses it; remove it.")
-            if schedule is not None and given is not None:
-                raise ValueError(f"`{name}` was passed to step, but a {name}_schedule was given to the constructor.")
-            if not adaptive and schedule is None and given is None:
-                raise ValueError(
-                    f"step needs `{name}=`: the optimizer has neither use_adaptive_{name}=True nor a {name}_schedule."
-                )
+        _config.check_step_coefficients(self._config, learning_rate, momentum, damping)
         if global_step_int is not None:
             return int(global_step_int)
         return int(step_counter)
@@ -963,55 +677,14 @@ class Optimizer:
             ``learning_rate``/``momentum``/``damping``/``func_state`` is missing or a refused
             one is given, or the batch's leaves disagree on their leading size.
         """
-        if (data_iterator is None) == (batch is None):
-            raise ValueError("Pass exactly one of `data_iterator` and `batch` to step.")
-        if self._params_spec is None:
-            raise RuntimeError("Call `optimizer.init(params, rng, batch)` before `step`.")
-        if not isinstance(state, OptimizerState):
-            raise TypeError(f"`state` must be the Optimizer.State returned by init/step, got {type(state).__name__}.")
-        utils.check_rng(rng)
-        n = jax.local_device_count()
-        if self._multi_device:
-            parallel.check_device_axis({"params": params, "state": state, "rng": rng, "func_state": func_state}, n)
-        spec = utils.tree_spec(parallel.local_shapes(params) if self._multi_device else params)
-        if spec != self._params_spec:
-            raise ValueError(
-                "`params` differ in structure, shapes or dtypes from those passed to init:\n"
-                f"init: {self._params_spec}\nstep: {spec}"
-            )
-        if self._has_state and func_state is None:
-            raise ValueError("value_func_has_state=True: pass `func_state` to step.")
-        needs_counter = self._num_burnin_steps > 0 and global_step_int is None
-        step_int = self.verify_args_and_get_step_counter(
-            (state.step_counter[0] if self._multi_device else state.step_counter) if needs_counter else 0,
-            learning_rate, momentum, damping, global_step_int,
+        step_int = self._check_step_args(params, state, rng, data_iterator, batch, func_state, learning_rate, momentum, damping, global_step_int)
+        lr, mom, damp = (
+            _config.scalar_arg(v, name, self._multi_device)
+            for v, name in ((learning_rate, "learning_rate"), (momentum, "momentum"), (damping, "damping"))
         )
-        if damping is not None:  # checked here where concrete (a traced value passes unchecked)
-            utils.check_damping(damping, "damping", self._l2_reg)
-        if self._multi_device:  # pmap maps every argument: one value per device
-            lr, mom, damp = (
-                parallel.device_scalar(0.0 if v is None else v, n, name)
-                for v, name in ((learning_rate, "learning_rate"), (momentum, "momentum"), (damping, "damping"))
-            )
-        else:
-            lr = _as_float(0.0 if learning_rate is None else learning_rate, "learning_rate")
-            mom = _as_float(0.0 if momentum is None else momentum, "momentum")
-            damp = _as_float(0.0 if damping is None else damping, "damping")
-        if self._num_burnin_steps > 0 and step_int == 0:
+        if self._config.num_burnin_steps > 0 and step_int == 0:
             rng, key = parallel.split_keys(rng, 2, self._multi_device)
-            if data_iterator is not None:
-                state, func_state = self.burnin(self._num_burnin_steps, params, state, key, data_iterator, func_state)
-            else:
-                if not self._burnin_warned:
-                    warnings.warn(
-                        f"num_burnin_steps={self._num_burnin_steps} but step() got `batch` rather than a "
-                        "`data_iterator`: the burn-in curvature updates run on this same batch.",
-                        stacklevel=2,
-                    )
-                    self._burnin_warned = True
-                state, func_state = self.burnin(
-                    self._num_burnin_steps, params, state, key, iter([batch] * self._num_burnin_steps), func_state
-                )
+            state, func_state = self._first_burnin(params, state, key, data_iterator, batch, func_state)
         if batch is None:
             batch = next(data_iterator)  # type: ignore[arg-type]
         self._check_batch(batch)
@@ -1021,352 +694,50 @@ class Optimizer:
             return params, state, func_state, stats
         return params, state, stats
 
-    def _report(self, stats: Mapping[str, Any]) -> None:
-        """Logs a warning for each step whose update or statistics were skipped, or whose loss diverged.
+    def _check_step_args(
+        self, params: Any, state: Any, rng: Any, data_iterator: Any, batch: Any, func_state: Any, learning_rate: Any,
+        momentum: Any, damping: Any, global_step_int: int | None,
+    ) -> int:
+        """The host-side checks of ``step``'s arguments; returns the step number (see ``step``)."""
+        _config.check_step_call(
+            self._params_spec, self._multi_device, self._has_state, params, state, rng, data_iterator, batch, func_state
+        )
+        needs_counter = self._config.num_burnin_steps > 0 and global_step_int is None
+        step_int = self.verify_args_and_get_step_counter(
+            (state.step_counter[0] if self._multi_device else state.step_counter) if needs_counter else 0,
+            learning_rate, momentum, damping, global_step_int,
+        )
+        if damping is not None:  # checked here where concrete (a traced value passes unchecked)
+            utils.check_damping(damping, "damping", self._config.l2_reg)
+        return step_int
 
-        The flags are read only once they are computed (``jax.Array.is_ready``), so reporting never
-        waits for the device: a step's line appears at a later call of ``step`` (at most
-        ``_REPORT_BACKLOG`` steps later, when the oldest is waited for).
-        """
-        keys = ("step", "loss", "update_skipped", "curvature_update_skipped", "loss_diverged")
-        entry = tuple(stats[k] for k in keys)
-        if any(isinstance(a, jax.core.Tracer) for a in entry):
-            return  # ``step`` traced inside the user's own jit: there is nothing to read on the host
-        self._pending_reports.append(entry)
-        while self._pending_reports:
-            entry = self._pending_reports[0]
-            if len(self._pending_reports) <= _REPORT_BACKLOG and not all(
-                not hasattr(a, "is_ready") or a.is_ready() for a in entry
-            ):
-                break
-            self._pending_reports.popleft()
-            step, loss, skipped, curv_skipped, diverged = (np.asarray(a).reshape(-1)[0] for a in entry)
-            what = [
-                text for flag, text in (
-                    (skipped, "update skipped (non-finite loss, gradient or update; parameters unchanged)"),
-                    (curv_skipped, "curvature statistics update skipped (non-finite; previous statistics kept)"),
-                    (diverged, f"loss diverging (more than {DIVERGENCE_FACTOR:g}x the first loss)"),
-                ) if flag
-            ]
-            if what:
-                logger.warning("curvax step %d (loss %s): %s.", int(step), float(loss), "; ".join(what))
-
-    def _linearized(self, func_args: Sequence[Any]) -> tuple:
-        """The value function at ``func_args``, linearized in (parameters, layer-output perturbations).
-
-        Returns ``((loss, deps), f_vjp, outs, losses, data_for, deps_jvp)``: ``f_vjp`` is the
-        transposed linearization, ``outs`` the function's flat outputs, ``losses`` the registered
-        losses, ``data_for(cotangents)`` the per-layer estimation data for cotangents of the loss
-        inputs, and ``deps_jvp(v)`` the loss inputs' tangents along a parameter vector ``v``.
-        """
-        pj = self._estimator.processed_jaxpr_for(func_args)
-        p, o = pj.split_args(func_args)
-        eps = pj.zero_perturbations(p, o)
-
-        def fwd(q, e):
-            (deps, outs), aux = pj.evaluate(q, o, e, with_outputs=True)
-            return (outs[0], deps), (aux, outs)
-
-        (loss, deps), f_jvp, ((ops, layer_data), outs) = jax.linearize(fwd, p, eps, has_aux=True)
-        f_vjp = jax.linear_transpose(f_jvp, p, eps)
-
-        def data_for(cot):
-            dp, de = zero_tangents(p, eps) if cot is None else f_vjp((jnp.zeros_like(loss), cot))
-            return assemble_layer_data(pj, p, layer_data, dp, de)
-
-        def deps_jvp(v):
-            return f_jvp(jax.tree_util.tree_leaves(v), jax.tree_util.tree_map(jnp.zeros_like, eps))[1]
-
-        return (loss, deps), f_vjp, outs, pj.losses_from_operands(ops), data_for, deps_jvp
-
-    def _curvature_batch(self, key: jax.Array, batch: Any) -> Any:
-        """The examples the curvature is estimated on: all of ``batch``, or a random fraction of it."""
-        if self._curvature_batch_fraction >= 1.0:
-            return batch
-        return utils.subsample_batch(batch, self._curvature_batch_fraction, jax.random.fold_in(key, 1))
-
-    def _trace(self, func_args: Sequence[Any], sub_batch: bool = False) -> Any:
-        """The traced function at the shapes of ``func_args``, with an error that says why it failed.
-
-        ``init`` traced it once, so a failure here is a new batch shape: another batch, or the
-        sub-batches of ``curvature_batch_fraction`` (``sub_batch``).
-        """
-        try:
-            return self._estimator.processed_jaxpr_for(func_args)
-        except Exception as e:
-            shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(func_args[-1])]
-            why = (
-                f"curvature_batch_fraction={self._curvature_batch_fraction:g}: the curvature is estimated on "
-                f"sub-batches of {self._batch_size_extractor(func_args[-1])} examples. " if sub_batch else ""
+    def _first_burnin(self, params: Any, state: Any, key: jax.Array, data_iterator: Any, batch: Any, func_state: Any) -> tuple[Any, Any]:
+        """The burn-in of the first step: from ``data_iterator``, or repeating ``batch`` (with a warning)."""
+        num = self._config.num_burnin_steps
+        if data_iterator is not None:
+            return self.burnin(num, params, state, key, data_iterator, func_state)
+        if not self._burnin_warned:
+            warnings.warn(
+                f"num_burnin_steps={num} but step() got `batch` rather than a "
+                "`data_iterator`: the burn-in curvature updates run on this same batch.",
+                stacklevel=3,
             )
-            raise ValueError(
-                f"{why}Tracing the loss on a batch with leaf shapes {shapes} failed ({type(e).__name__}: {e}); "
-                "init traced it on other shapes. Does the model assume a fixed batch size (e.g. reshape(16, -1))? "
-                "Use reshape(x.shape[0], -1)" + (", or curvature_batch_fraction=1." if sub_batch else ".")
-            ) from e
+            self._burnin_warned = True
+        return self.burnin(num, params, state, key, iter([batch] * num), func_state)
 
-    def _schedule_value(self, schedule: Callable | None, given: jax.Array, step: jax.Array) -> jax.Array:
-        return jnp.asarray(schedule(step), jnp.float32) if schedule is not None else given
-
-    def _step_impl(self, params, state, rng, batch, func_state, lr_arg, mom_arg, damp_arg):
+    def _step_impl(
+        self, params: Any, state: OptimizerState, rng: jax.Array, batch: Any, func_state: Any, lr_arg: jax.Array,
+        mom_arg: jax.Array, damp_arg: jax.Array, batch_size_override: int | None = None,
+    ) -> tuple[Any, OptimizerState, Any, dict[str, Any]]:
+        """The compiled step (``StepProgram.step``), counting its traces in ``trace_count``."""
         self.trace_count += 1
-        est = self._estimator
-        step = state.step_counter
-        if self._batch_process_func is not None:
-            batch = self._batch_process_func(batch)
-        batch_size = self._batch_size_extractor(batch)
-        k_est, k_func = jax.random.split(rng)
-        func_args = self._make_func_args(params, func_state, k_func, batch)
-        pj = self._trace(func_args)
-
-        damping = state.damping if self._adaptive_damping else self._schedule_value(self._damping_schedule, damp_arg, step)
-        # The preconditioner's damping (kfac-jax 0.0.8): its own schedule, or the damping times
-        # `precon_damping_mult` (1 by default: the damping itself).
-        if self._precon_damping_schedule is not None:
-            precon_damping = jnp.asarray(self._precon_damping_schedule(step), jnp.float32)
-        else:
-            precon_damping = damping * self._precon_damping_mult
-        identity_weight = self._l2_reg + precon_damping
-
-        # 1-2. One linearized forward pass: the curvature statistics and, where provably the same
-        # (see curvax.gradients), the loss and the gradient; otherwise those come from the user.
-        (loss, deps), f_vjp, outs, losses, data_for, deps_jvp = self._linearized(func_args)
-        if self.shares_gradient_pass:
-            zero_deps = jax.tree_util.tree_map(jnp.zeros_like, deps)
-            grads_flat, _ = f_vjp((jnp.ones_like(loss), zero_deps))
-            grads = jax.tree_util.tree_unflatten(pj.params_tree, grads_flat)
-            value = jax.tree_util.tree_unflatten(pj.out_tree, list(outs))
-        else:
-            value, grads = self._value_and_grad_func(*func_args)
-            loss = self._split_outputs(value)[0]
-        _, new_func_state, aux = self._split_outputs(value)
-        if self._axis is not None:  # multi_device: each device saw its share of the batch
-            loss, grads = jax.lax.pmean((loss, grads), self._axis)
-        adaptive = self._adaptive_lr or self._adaptive_momentum
-
-        # The curvature's view of the batch: the same linearization, or one of a sub-batch.
-        curvature_batch = self._curvature_batch(k_est, batch)
-        if curvature_batch is batch:
-            curvature_view = lambda: (losses, data_for, deps_jvp, batch_size)
-        else:
-            curvature_args = self._make_func_args(params, func_state, k_func, curvature_batch)
-            self._trace(curvature_args, sub_batch=True)
-
-            def curvature_view():
-                _, _, _, c_losses, c_data_for, c_deps_jvp = self._linearized(curvature_args)
-                return c_losses, c_data_for, c_deps_jvp, self._batch_size_extractor(curvature_batch)
-
-            if self._curvature_update_period == 1 or adaptive:
-                # Needed on every step: linearize the sub-batch once, outside the conditionals.
-                view = curvature_view()
-                curvature_view = lambda: view
-
-        def update_statistics(s):
-            c_losses, c_data_for, _, c_size = curvature_view()
-            new = est._update_from_cotangents(
-                s, c_losses, c_data_for, k_est, self._estimation_mode, self._curvature_ema, 1.0, c_size, self._axis
-            )
-            new = est.sync(new, self._axis)  # multi_device: average each device's statistics
-            # Statistics never absorb non-finite values: a bad batch's update is dropped whole
-            # (one scalar decides, the same on every device).
-            return estimators.keep_finite_statistics(s, new, self._axis)
-
-        if self._curvature_update_period == 1:
-            est_state, curvature_skipped = update_statistics(state.estimator_state)
-        else:
-            # Off-period steps skip the sampled backward pass and the factor products entirely
-            # (a conditional runs only its taken branch); the forward pass is shared.
-            est_state, curvature_skipped = jax.lax.cond(
-                step % self._curvature_update_period == 0, update_statistics,
-                lambda s: (s, jnp.asarray(False)), state.estimator_state,
-            )
-
-        # 3. Periodic inverse refresh.
-        exact, approx = self._cache_powers()
-        use_cached = self._inverse_update_period != 1
-        if use_cached and self._inverse_update_staggered:
-            # Each block on its own phase of the period (one compiled step serves every phase).
-            est_state = est.update_cache_staggered(
-                est_state, step, self._inverse_update_period, identity_weight, exact, approx, False
-            )
-        elif use_cached:
-            est_state = jax.lax.cond(
-                step % self._inverse_update_period == 0,
-                lambda s: est.update_cache(s, identity_weight, exact, approx, False),
-                lambda s: s,
-                est_state,
-            )
-        else:
-            # Powers are computed from the statistics directly; blocks that keep other derived
-            # state in their cache (EKFAC's eigenbasis) still refresh it every step.
-            est_state = est.update_cache(est_state, identity_weight, None, None, False)
-
-        # 4. Preconditioned gradient.
-        precon = est.multiply_matpower(est_state, grads, identity_weight, -1, self._use_exact_inverses, use_cached)
-        # Blocks may hold statistics in a wider dtype than the parameters: come back to the parameters' dtypes.
-        precon = jax.tree_util.tree_map(lambda v, p: v.astype(jnp.result_type(p)), precon, params)
-
-        # 5. Coefficients.
-        lr = self._schedule_value(self._lr_schedule, lr_arg, step)
-        mom = self._schedule_value(self._momentum_schedule, mom_arg, step)
-        scaled_sq = None
-        if self._norm_constraint is not None:
-            scaled_sq = lr**2 * utils.inner_product(precon, grads)
-            factor = jnp.minimum(1.0, jnp.sqrt(self._norm_constraint / jnp.maximum(scaled_sq, 1e-30)))
-            precon = utils.scalar_mul(precon, factor)
-        vectors = (precon, state.velocities)
-        update_damping = self.should_update_damping(state)
-
-        def exact_quad_model():
-            c_losses, _, c_deps_jvp, c_size = curvature_view()
-            return self._exact_quad_model_from(c_deps_jvp, c_losses, vectors, grads, c_size)
-
-        if adaptive:
-            quad = exact_quad_model()
-            coeffs = self._solve_coefficients(quad, damping, lr, mom)
-        else:
-            coeffs = jnp.stack([-lr, mom])
-
-        def quad_change_of(quad):
-            a, d, b = quad
-            a_hat = a + self._l2_reg * d + (damping * d if self._include_damping_in_quad_change else 0.0)
-            return 0.5 * coeffs @ a_hat @ coeffs + coeffs @ b
-
-        if adaptive:
-            quad_change = quad_change_of(quad)
-        else:
-            quad_change = jnp.asarray(jnp.nan, jnp.float32)
-        if not adaptive and self._adaptive_damping:
-            if self._always_exact_qmodel:
-                model = exact_quad_model
-            else:
-                model = lambda: self.compute_approx_quad_model(
-                    dataclasses.replace(state, estimator_state=est_state), vectors, grads
-                )
-            quad_change = jax.lax.cond(
-                update_damping, lambda: quad_change_of(model()), lambda: jnp.asarray(jnp.nan, jnp.float32)
-            )
-
-        # A non-finite preconditioned gradient (singular curvature with zero damping) must
-        # not reach the parameters: skip the update instead. One scalar decides.
-        # The same rule covers a non-finite loss (a NaN example, out-of-range labels) whose
-        # gradient may still be finite: an update is applied only if the loss is finite too.
-        finite = (
-            jnp.isfinite(utils.inner_product(precon, grads)) & jnp.all(jnp.isfinite(coeffs)) & jnp.isfinite(loss)
-        )
-        coeffs = jnp.where(finite, coeffs, 0.0)
-        # The coefficients may be wider than the parameters (float32 weights, float64 data): keep each leaf's dtype.
-        delta = jax.tree_util.tree_map(
-            lambda a, b: jnp.where(finite, coeffs[0] * a + coeffs[1] * b, 0.0).astype(jnp.result_type(a)),
-            precon, state.velocities,
-        )
-        new_params = utils.tree_add(params, delta)
-        if self._state_shardings is not None:  # several devices: the parameters keep their shardings
-            new_params = parallel.constrain(new_params, self._state_shardings.velocities)
-
-        # 6. Damping.
-        new_loss = jnp.asarray(jnp.nan, jnp.float32)
-        rho = jnp.asarray(jnp.nan, jnp.float32)
-        new_damping = damping
-        if self._adaptive_damping:
-            def adapt():
-                args = self._make_func_args(new_params, func_state, k_func, batch)
-                nl = self._split_outputs(self._value_func(*args))[0]
-                if self._axis is not None:
-                    nl = jax.lax.pmean(nl, self._axis)
-                r = (nl - loss) / quad_change
-                r = jnp.where(jnp.isfinite(r), r, -100.0)
-                factor = self.damping_decay_factor
-                d = jnp.where(r < self._lower, damping / factor, jnp.where(r > self._upper, damping * factor, damping))
-                d = jnp.clip(d, self._min_damping, self._max_damping)
-                return nl.astype(jnp.float32), r.astype(jnp.float32), d.astype(jnp.float32)
-
-            new_loss, rho, new_damping = jax.lax.cond(
-                update_damping, adapt, lambda: (new_loss, rho, jnp.asarray(damping, jnp.float32))
-            )
-
-        # Divergence check (a report only, nothing is changed): the loss is finite but more than
-        # DIVERGENCE_FACTOR times the first finite loss's magnitude (at least 1).
-        loss32 = jnp.asarray(loss, jnp.float32)
-        first_loss = jnp.where(jnp.isnan(state.first_loss) & jnp.isfinite(loss32), loss32, state.first_loss)
-        diverged = jnp.isfinite(loss32) & (
-            jnp.abs(loss32) > DIVERGENCE_FACTOR * jnp.maximum(jnp.abs(jnp.nan_to_num(first_loss)), 1.0)
-        )
-
-        # multi_device: the batch of the step is every device's share.
-        total_batch_size = batch_size if self._axis is None else batch_size * jax.lax.psum(1, self._axis)
-        new_state = OptimizerState(
-            velocities=delta,
-            estimator_state=est_state,
-            damping=jnp.asarray(new_damping, jnp.float32),
-            data_seen=state.data_seen + total_batch_size,
-            step_counter=step + 1,
-            curvature_updates_skipped=state.curvature_updates_skipped + curvature_skipped,
-            updates_skipped=state.updates_skipped + jnp.logical_not(finite),
-            first_loss=first_loss,
-        )
-        new_state = parallel.constrain(new_state, self._state_shardings)
-        stats = {
-            "step": step + 1,
-            "batch_size": jnp.asarray(total_batch_size, jnp.int32),
-            "data_seen": new_state.data_seen,
-            "loss": loss,
-            "new_loss": new_loss,
-            "learning_rate": -coeffs[0],
-            "momentum": coeffs[1],
-            "damping": jnp.asarray(damping, jnp.float32),
-            "rho": rho,
-            "quad_model_change": quad_change,
-            "update_skipped": jnp.logical_not(finite),  # loss, gradient or update not finite: params unchanged
-            "updates_skipped": new_state.updates_skipped,  # running count of skipped updates
-            "curvature_update_skipped": curvature_skipped,  # this step's statistics not finite: old ones kept
-            "curvature_updates_skipped": new_state.curvature_updates_skipped,  # running count (burn-in included)
-            "loss_diverged": diverged,  # finite loss > DIVERGENCE_FACTOR * max(|first finite loss|, 1)
-        }
-        if scaled_sq is not None:
-            stats["scaled_grad_norm_sq"] = scaled_sq
-        if aux is not None:
-            stats["aux"] = aux if self._axis is None else jax.lax.pmean(aux, self._axis)
-        if self._include_norms:
-            stats["param_norm"] = utils.norm(params)
-            stats["grad_norm"] = utils.norm(grads)
-            stats["precon_grad_norm"] = utils.norm(precon)
-            stats["update_norm"] = utils.norm(delta)
-        if self._include_per_param_norms:
-            for path, g, pg, u, w in zip(
-                utils.param_paths(params), jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(precon),
-                jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(params),
-            ):
-                stats[f"param_norm({path})"] = jnp.linalg.norm(w)
-                stats[f"grad_norm({path})"] = jnp.linalg.norm(g)
-                stats[f"precon_grad_norm({path})"] = jnp.linalg.norm(pg)
-                stats[f"update_norm({path})"] = jnp.linalg.norm(u)
-        return new_params, new_state, new_func_state if self._has_state else func_state, stats
+        return self._program.step(params, state, rng, batch, func_state, lr_arg, mom_arg, damp_arg, batch_size_override)
 
     # --- quadratic model -----------------------------------------------------------------------
 
     def compute_l2_quad_matrix(self, vectors: Sequence[Any]) -> jax.Array:
         """``l2_reg * <v_i, v_j>`` for the parameter-shaped ``vectors`` ``v_i``: the L2 term's quadratic model."""
-        return self._l2_reg * utils.matrix_of_inner_products(vectors)
-
-    def _exact_quad_model_from(self, deps_jvp, losses, vectors, grads, batch_size):
-        """``(A, D, b)`` with ``A_ij = v_i^T C v_j`` for the exact Fisher/GGN, ``D = V^T V``, ``b = V^T g``."""
-        kind = "ggn" if self._estimation_mode.startswith("ggn") else "fisher"
-        jvs = [deps_jvp(v) for v in vectors]
-        n = len(vectors)
-        rows = []
-        for i in range(n):
-            row = []
-            for j in range(n):
-                total = 0.0
-                for li, loss in enumerate(losses):
-                    prod = getattr(loss, f"multiply_{kind}")(jvs[j][li])
-                    total = total + sum(jnp.sum(a * b) for a, b in zip(jvs[i][li], prod))
-                row.append(total / batch_size)
-            rows.append(row)
-        a = jnp.array(rows)
-        a = utils.pmean_if_pmap(a, self._axis)  # multi_device: each device saw its share of the batch
-        return a, utils.matrix_of_inner_products(vectors), utils.vector_of_inner_products(grads, vectors)
+        return self._config.l2_reg * utils.matrix_of_inner_products(vectors)
 
     def compute_exact_quad_model(self, vectors: Sequence[Any], grads: Any, func_args: Sequence[Any] | None = None):
         """The exact quadratic model's ``(A, D, b)`` at ``func_args``.
@@ -1379,9 +750,10 @@ class Optimizer:
         """
         if func_args is None:
             raise ValueError("compute_exact_quad_model needs `func_args`.")
-        *_, losses, _, deps_jvp = self._linearized(func_args)
-        bs = self._batch_size_extractor(func_args[-1])
-        return self._exact_quad_model_from(deps_jvp, losses, vectors, grads, bs)
+        lin = self._program.linearize(func_args)
+        kind = "ggn" if self._config.estimation_mode.startswith("ggn") else "fisher"
+        bs = self._program.batch_size_extractor(func_args[-1])
+        return _coefficients.exact_quad_model(lin.deps_jvp, lin.losses, vectors, grads, bs, kind, self._axis)
 
     def compute_approx_quad_model(self, state: OptimizerState, vectors: Sequence[Any], grads: Any):
         """The quadratic model's ``(A, D, b)`` with the curvature estimate in place of the exact matrix.
@@ -1389,29 +761,12 @@ class Optimizer:
         As ``compute_exact_quad_model`` (same ``vectors`` and ``grads``), with ``A_ij = v_i^T C
         v_j`` for the block-diagonal estimate held in ``state`` (undamped).
         """
-        cvs = [
-            self._estimator.multiply(state.estimator_state, v, 0.0, True, False) for v in vectors
-        ]
-        a = jnp.array([[utils.inner_product(vi, cj) for cj in cvs] for vi in vectors])
-        return a, utils.matrix_of_inner_products(vectors), utils.vector_of_inner_products(grads, vectors)
+        return _coefficients.approx_quad_model(self._estimator, state.estimator_state, vectors, grads)
 
-    def _solve_coefficients(self, quad, damping, lr, mom) -> jax.Array:
-        """Minimises the damped quadratic model over the adaptive coefficients."""
-        a, d, b = quad
-        ad = a + (self._l2_reg + damping) * d
-        safe = lambda num, den: jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
-        if self._adaptive_lr and self._adaptive_momentum:
-            w0_only = safe(-b[0], ad[0, 0])
-            det = ad[0, 0] * ad[1, 1] - ad[0, 1] * ad[1, 0]
-            w_full = jnp.stack([(-b[0] * ad[1, 1] + b[1] * ad[0, 1]), (-b[1] * ad[0, 0] + b[0] * ad[1, 0])])
-            w_full = w_full / jnp.where(det > 0, det, 1.0)
-            use_full = (d[1, 1] > 0) & (det > 0)
-            return jnp.where(use_full, w_full, jnp.stack([w0_only, 0.0]))
-        if self._adaptive_lr:
-            w1 = mom
-            return jnp.stack([safe(-(b[0] + ad[1, 0] * w1), ad[0, 0]), w1])
-        w0 = -lr
-        return jnp.stack([w0, safe(-(b[1] + ad[0, 1] * w0), ad[1, 1])])
+    def _solve_coefficients(self, quad: Any, damping: Any, lr: Any, mom: Any) -> jax.Array:
+        """Minimises the damped quadratic model over the adaptive coefficients (``curvax.step.coefficients.solve``)."""
+        cfg = self._config
+        return _coefficients.solve(quad, cfg.l2_reg, damping, lr, mom, cfg.adaptive_lr, cfg.adaptive_momentum)
 
     def compute_loss_value(self, func_args: Sequence[Any]) -> jax.Array:
         """The loss value of ``value_func(*func_args)``, without its state or aux outputs.
@@ -1419,15 +774,7 @@ class Optimizer:
         ``func_args`` is the value function's argument tuple, ``(params, [func_state], [rng],
         batch)``.
         """
-        return self._split_outputs(self._value_func(*func_args))[0]
+        return self._func.split_outputs(self._func.value(*func_args))[0]
 
     def _check_params_dtype(self, params: Any) -> None:
         utils.check_float_params(params)
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, (tuple, list)):
-        return f"a {type(x).__name__} of {len(x)}: (" + ", ".join(_describe(e) for e in x) + ")"
-    if hasattr(x, "shape"):
-        return f"array{tuple(x.shape)}"
-    return type(x).__name__

@@ -8,6 +8,10 @@ same steps as ``curvax.Optimizer`` with that fixed learning rate, momentum and d
 (``tests/test_preconditioner.py``). The optimizer's adaptive learning rate, momentum and damping
 need the loss at the new parameters and exact curvature products, which a gradient
 transformation does not see: use ``curvax.Optimizer`` for those.
+
+Both transformations here (and kfac-jax 0.0.8's ``OptaxPreconditioner``) are compositions of
+the optimizer's own phases (``curvax.step``): the statistics update with its non-finite guard
+and counter, the inverse refresh, the preconditioning product, the norm constraint.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import numpy as np
 import optax
 
 from curvax import estimators, utils
+from curvax.step import config as _config
+from curvax.step import guard, precondition, refresh, statistics
 
 
 class KFACPreconditionerState(NamedTuple):
@@ -30,6 +36,71 @@ class KFACPreconditionerState(NamedTuple):
     rng_key: jax.Array
     estimator_state: Any
     curvature_updates_skipped: jax.Array
+
+
+def _damping_at(damping: float | Callable[[jax.Array], Any], count: jax.Array) -> jax.Array:
+    """The damping at update ``count``: the schedule's value or the constant, as float32."""
+    value = damping(count) if callable(damping) else damping
+    return jnp.asarray(value, jnp.float32)
+
+
+class _BatchSpec:
+    """``example_batch``'s structure, per-example shapes and dtypes, which every batch must share."""
+
+    def __init__(self, example_batch: Any):
+        self.leaves, self.tree = jax.tree_util.tree_flatten(example_batch)
+
+    def check(self, batch: Any) -> None:
+        """``batch`` has the example's structure, per-example shapes and dtypes (any batch size)."""
+        utils.check_batch_leading_sizes(batch)
+        leaves, tree = jax.tree_util.tree_flatten(batch)
+        if tree != self.tree:
+            raise ValueError(f"`batch` must have the structure of `example_batch`: {self.tree}, got {tree}.")
+        for i, (a, b) in enumerate(zip(leaves, self.leaves)):
+            if np.shape(a)[1:] != np.shape(b)[1:] or np.ndim(a) != np.ndim(b) or jnp.result_type(a) != jnp.result_type(b):
+                raise ValueError(
+                    f"`batch` leaf {i} has shape {np.shape(a)} and dtype {jnp.result_type(a)}, but `example_batch`'s "
+                    f"has {np.shape(b)} and {jnp.result_type(b)}: only the leading (batch) size may differ."
+                )
+
+
+class _ParamsSpec:
+    """The parameters' structure, shapes and dtypes at the first ``init`` (the model was traced for those)."""
+
+    def __init__(self) -> None:
+        self.spec: Any = None
+
+    def check(self, params: Any, where: str) -> None:
+        """``params`` match the first init's (``where`` names the caller in the error)."""
+        spec = utils.tree_spec(params)
+        if self.spec is not None and spec != self.spec:
+            raise ValueError(
+                f"`params` passed to {where} differ in structure, shapes or dtypes from those of the first init "
+                f"(the transformation traced the model for those):\nfirst init: {self.spec}\n{where}: {spec}"
+            )
+        self.spec = spec
+
+
+def _check_update_args(updates: Any, state: Any, params: Any, batch: Any, params_spec: _ParamsSpec) -> None:
+    """The arguments of ``kfac_preconditioner``'s ``update``: parameters and batch given, the state
+    its own, ``init`` called, ``updates`` shaped as ``params``."""
+    if params is None:
+        raise ValueError("kfac_preconditioner's update needs `params`: tx.update(grads, state, params, batch=batch).")
+    if batch is None:
+        raise ValueError(
+            "kfac_preconditioner's update needs the batch the gradients came from: "
+            "tx.update(grads, state, params, batch=batch)."
+        )
+    if not isinstance(state, KFACPreconditionerState):
+        raise TypeError(f"`state` must be the KFACPreconditionerState from init, got {type(state).__name__}.")
+    if params_spec.spec is None:
+        raise RuntimeError("Call the transformation's init(params) before update.")
+    params_spec.check(params, "update")
+    if jax.tree_util.tree_structure(updates) != jax.tree_util.tree_structure(params):
+        raise ValueError(
+            "`updates` and `params` differ in structure: "
+            f"{jax.tree_util.tree_structure(updates)} vs {jax.tree_util.tree_structure(params)}."
+        )
 
 
 def kfac_preconditioner(
@@ -84,51 +155,16 @@ def kfac_preconditioner(
     whose statistics are not finite (a NaN example) leaves the statistics as they were:
     the state's ``curvature_updates_skipped`` counts such updates.
     """
-    if not callable(loss_fn):
-        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
-    utils.check_number(l2_reg, "l2_reg", 0.0)
-    if not callable(damping):
-        utils.check_number(damping, "damping", 0.0)
-        utils.check_damping(damping, "damping", l2_reg)
-    utils.check_number(curvature_ema, "curvature_ema", 0.0, 1.0)
-    period = utils.check_int(inverse_update_period, "inverse_update_period", 1)
-    mode = estimators.check_estimation_mode(estimation_mode)
-    utils.check_batch_leading_sizes(example_batch, "example_batch")
+    period = _config.check_kfac_preconditioner_args(loss_fn, damping, l2_reg, curvature_ema, inverse_update_period, estimation_mode, example_batch)
     estimator = estimators.BlockDiagonalCurvature(
-        loss_fn, params_index=0, default_estimation_mode=mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor
+        loss_fn, params_index=0, default_estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor
     )
-
-    def damping_at(count: jax.Array) -> jax.Array:
-        value = damping(count) if callable(damping) else damping
-        return jnp.asarray(value, jnp.float32)
-
-    init_spec: list[Any] = []  # the parameters' structure, shapes and dtypes at the first init
-    example_leaves, example_tree = jax.tree_util.tree_flatten(example_batch)
-
-    def check_batch(batch: Any) -> None:
-        """``batch`` has ``example_batch``'s structure, per-example shapes and dtypes (any batch size)."""
-        leaves, tree = jax.tree_util.tree_flatten(batch)
-        if tree != example_tree:
-            raise ValueError(f"`batch` must have the structure of `example_batch`: {example_tree}, got {tree}.")
-        for i, (a, b) in enumerate(zip(leaves, example_leaves)):
-            if np.shape(a)[1:] != np.shape(b)[1:] or np.ndim(a) != np.ndim(b) or jnp.result_type(a) != jnp.result_type(b):
-                raise ValueError(
-                    f"`batch` leaf {i} has shape {np.shape(a)} and dtype {jnp.result_type(a)}, but `example_batch`'s "
-                    f"has {np.shape(b)} and {jnp.result_type(b)}: only the leading (batch) size may differ."
-                )
-
-    def check_params(params: Any, where: str) -> None:
-        spec = utils.tree_spec(params)
-        if init_spec and spec != init_spec[0]:
-            raise ValueError(
-                f"`params` passed to {where} differ in structure, shapes or dtypes from those of the first init "
-                f"(the transformation traced the model for those):\nfirst init: {init_spec[0]}\n{where}: {spec}"
-            )
-        init_spec[:] = [spec]
+    example = _BatchSpec(example_batch)
+    params_spec = _ParamsSpec()
 
     def init_fn(params: Any) -> KFACPreconditionerState:
         utils.check_float_params(params)
-        check_params(params, "init")
+        params_spec.check(params, "init")
         func_args = (params, example_batch)
         estimator.finalize(func_args)
         key = jax.random.PRNGKey(seed)
@@ -140,48 +176,22 @@ def kfac_preconditioner(
         rng: jax.Array | None = None, **extra_args: Any,
     ) -> tuple[Any, KFACPreconditionerState]:
         del extra_args  # meant for other transformations of a chain
-        if params is None:
-            raise ValueError("kfac_preconditioner's update needs `params`: tx.update(grads, state, params, batch=batch).")
-        if batch is None:
-            raise ValueError(
-                "kfac_preconditioner's update needs the batch the gradients came from: "
-                "tx.update(grads, state, params, batch=batch)."
-            )
-        if not isinstance(state, KFACPreconditionerState):
-            raise TypeError(f"`state` must be the KFACPreconditionerState from init, got {type(state).__name__}.")
-        if not init_spec:
-            raise RuntimeError("Call the transformation's init(params) before update.")
-        check_params(params, "update")
-        if jax.tree_util.tree_structure(updates) != jax.tree_util.tree_structure(params):
-            raise ValueError(
-                "`updates` and `params` differ in structure: "
-                f"{jax.tree_util.tree_structure(updates)} vs {jax.tree_util.tree_structure(params)}."
-            )
-        utils.check_batch_leading_sizes(batch)
-        check_batch(batch)
+        _check_update_args(updates, state, params, batch, params_spec)
+        example.check(batch)
         key = state.rng_key
         if rng is None:
             key, rng = jax.random.split(key)
-        func_args = (params, batch)
-        est_state = estimator.update_curvature_matrix_estimate(
-            state.estimator_state, curvature_ema, 1.0, batch_size_extractor(batch), rng, func_args
+        # The phases of curvax.step: statistics (non-finite batches dropped and counted), the
+        # periodic refresh of the approximate inverses, the product, the guard.
+        est_state, skipped = statistics.update_from_args(
+            estimator, state.estimator_state, curvature_ema, 1.0, batch_size_extractor(batch), rng, (params, batch)
         )
-        # Statistics never absorb non-finite values: a bad batch's update is dropped (and counted).
-        est_state, skipped = estimators.keep_finite_statistics(state.estimator_state, est_state)
-        identity_weight = l2_reg + damping_at(state.count)
-        est_state = jax.lax.cond(
-            state.count % period == 0,
-            lambda s: estimator.update_cache(s, identity_weight, None, -1, False),
-            lambda s: s,
-            est_state,
-        )
-        precon = estimator.multiply_matpower(est_state, updates, identity_weight, -1, False, True)
-        precon = jax.tree_util.tree_map(lambda v, u: v.astype(jnp.result_type(u)), precon, updates)
-        finite = jnp.isfinite(utils.inner_product(precon, updates))
-        precon = jax.tree_util.tree_map(lambda v: jnp.where(finite, v, jnp.zeros_like(v)), precon)
-        return precon, KFACPreconditionerState(
-            state.count + 1, key, est_state, state.curvature_updates_skipped + skipped
-        )
+        identity_weight = l2_reg + _damping_at(damping, state.count)
+        est_state = refresh.refresh(estimator, est_state, state.count, period, identity_weight, None, -1)
+        precon = precondition.precondition(estimator, est_state, updates, identity_weight, False, True, like=updates)
+        precon = guard.zero_unless_finite(precon, updates)
+        count = guard.count(state.curvature_updates_skipped, skipped)
+        return precon, KFACPreconditionerState(state.count + 1, key, est_state, count)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -282,27 +292,9 @@ class OptaxPreconditioner:
         should_vmap_samples: bool = False,
         norm_to_scale_identity_weight_per_block: str | None = None,
     ):
+        _config.check_optax_preconditioner_args(locals())
         del distributed_inverses, distributed_precon_apply, should_vmap_samples
-        if not callable(value_func):
-            raise TypeError(f"`value_func` must be callable, got {type(value_func).__name__}.")
-        if (damping is None) == (damping_schedule is None):
-            raise ValueError("OptaxPreconditioner: pass exactly one of `damping` and `damping_schedule`.")
-        utils.check_number(l2_reg, "l2_reg", 0.0)
-        if damping is not None:
-            utils.check_number(damping, "damping", 0.0)
-            utils.check_damping(damping, "damping", l2_reg, allow_zero=True)
-        utils.check_number(curvature_ema, "curvature_ema", 0.0, 1.0)
-        if curvature_update_period != 1:
-            raise ValueError(f"`curvature_update_period` must be 1 (as in kfac-jax), got {curvature_update_period!r}.")
-        self._inverse_update_period = utils.check_int(inverse_update_period, "inverse_update_period", 1)
-        if num_samples != 1:
-            raise NotImplementedError(f"OptaxPreconditioner: `num_samples` must be 1, got {num_samples!r}.")
-        if norm_to_scale_identity_weight_per_block is not None:
-            raise NotImplementedError(
-                "OptaxPreconditioner: `norm_to_scale_identity_weight_per_block` is not supported; pass None."
-            )
-        if norm_constraint is not None:
-            utils.check_number(norm_constraint, "norm_constraint", 0.0)
+        self._inverse_update_period = int(inverse_update_period)
         self._l2_reg = l2_reg
         self._damping = damping
         self._damping_schedule = damping_schedule
@@ -402,24 +394,12 @@ class OptaxPreconditioner:
         self, estimator_state: Any, func_args: Sequence[Any], rng: jax.Array, ema_old: Any, ema_new: Any,
         sync: Any = True, identity_weight: Any = 0.0,
     ) -> Any:
-        est = self._estimator
-        state = est.update_curvature_matrix_estimate(
-            state=estimator_state,
-            ema_old=ema_old,
-            ema_new=ema_new,
-            identity_weight=identity_weight,
-            batch_size=self._batch_size_extractor(func_args[-1]),
-            rng=rng,
-            func_args=func_args,
-            pmap_axis_name=self._pmap_axis_name,
+        """``(state, skipped)``: the statistics phase (``curvax.step.statistics``), averaged over the
+        pmap devices when ``sync`` and dropped whole, on every device alike, when not finite."""
+        return statistics.update_from_args(
+            self._estimator, estimator_state, ema_old, ema_new, self._batch_size_extractor(func_args[-1]), rng,
+            func_args, self._pmap_axis_name, identity_weight=identity_weight, sync=sync,
         )
-        if isinstance(sync, bool):
-            state = est.sync(state, self._pmap_axis_name) if sync else state
-        else:
-            state = jax.lax.cond(sync, lambda s: est.sync(s, self._pmap_axis_name), lambda s: s, state)
-        # Statistics never absorb non-finite values: a bad batch's update is dropped whole, on
-        # every device alike (the flag is reduced over the pmap axis). Returns (state, skipped).
-        return estimators.keep_finite_statistics(estimator_state, state, self._pmap_axis_name)
 
     def maybe_update_estimator_curvature(
         self, state: OptaxPreconditionState, func_args: Sequence[Any], rng: jax.Array,
@@ -440,24 +420,14 @@ class OptaxPreconditioner:
         est_state, skipped = self._update_estimator_curvature(
             state.estimator_state, func_args, rng, ema_old, 1.0, sync, self.get_identity_weight(state)
         )
-        count = state.curvature_updates_skipped
-        if count is not None:
-            count = count + skipped.astype(jnp.int32)
+        count = guard.count(state.curvature_updates_skipped, skipped)
         return state._replace(estimator_state=est_state, curvature_updates_skipped=count)
 
     def maybe_update_inverse_cache(self, state: OptaxPreconditionState) -> OptaxPreconditionState:
         """Refreshes the cached inverses of ``state`` every ``inverse_update_period`` steps."""
-        should = self.should_update_inverse_cache(state)
-        if should is False:
-            return state
-        identity_weight = self.get_identity_weight(state)
-        est_state = jax.lax.cond(
-            should,
-            lambda s: self._estimator.update_cache(
-                s, identity_weight, self._exact_powers_to_cache, self._approx_powers_to_cache, False
-            ),
-            lambda s: s,
-            state.estimator_state,
+        est_state = refresh.refresh_when(
+            self._estimator, state.estimator_state, self.should_update_inverse_cache(state),
+            self.get_identity_weight(state), self._exact_powers_to_cache, self._approx_powers_to_cache,
         )
         return state._replace(estimator_state=est_state)
 
@@ -479,20 +449,18 @@ class OptaxPreconditioner:
 
         ``updates`` is a parameter-shaped pytree; ``C`` comes from ``state``.
         """
-        new = self._estimator.multiply_matpower(
-            state.estimator_state, updates, self.get_identity_weight(state), -0.5 if self._use_sqrt_inv else -1,
-            self._use_exact_inverses, self._use_cached_inverses, self._pmap_axis_name,
+        new = precondition.precondition(
+            self._estimator, state.estimator_state, updates, self.get_identity_weight(state), self._use_exact_inverses,
+            self._use_cached_inverses, -0.5 if self._use_sqrt_inv else -1, self._pmap_axis_name,
         )
         if self._norm_constraint is not None:
-            sq_norm = utils.inner_product(new, updates)
-            coeff = jnp.minimum(jnp.sqrt(self._norm_constraint / sq_norm), 1)
-            new = utils.scalar_mul(new, coeff)
+            new, _ = precondition.constrain_norm(new, updates, self._norm_constraint, floor=None)
         return new
 
     def multiply_curvature(self, updates: Any, state: OptaxPreconditionState) -> Any:
         """``(C + (damping + l2_reg) I) updates`` for a parameter-shaped ``updates``, ``C`` from ``state``."""
-        return self._estimator.multiply(
-            state.estimator_state, updates, self.get_identity_weight(state), self._use_exact_inverses,
+        return precondition.curvature_product(
+            self._estimator, state.estimator_state, updates, self.get_identity_weight(state), self._use_exact_inverses,
             self._use_cached_inverses, self._pmap_axis_name,
         )
 

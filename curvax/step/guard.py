@@ -1,0 +1,110 @@
+"""The non-finite guard, its counters, the divergence check, and their report on the host.
+
+A non-finite preconditioned gradient (singular curvature with zero damping), coefficient or
+loss (a NaN example, out-of-range labels, whose gradient may still be finite) must not reach
+the parameters: the update is skipped (parameters unchanged, velocity reset to zero) and
+counted. Non-finite statistics are dropped by ``curvax.step.statistics`` and counted here too.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from curvax import utils
+
+logger = logging.getLogger("curvax")
+
+# A finite loss this many times larger in magnitude than the first finite loss (or than 1) is
+# reported as diverging (``stats["loss_diverged"]`` and a warning in the "curvax" log).
+DIVERGENCE_FACTOR = 1e3
+# How many steps' reports may wait for their device results before the oldest is waited for.
+REPORT_BACKLOG = 8
+
+
+def update_is_finite(precon: Any, grads: Any, coeffs: jax.Array, loss: jax.Array) -> jax.Array:
+    """One scalar: the preconditioned gradient (through ``precon^T grads``), the coefficients
+    and the loss are all finite."""
+    return jnp.isfinite(utils.inner_product(precon, grads)) & jnp.all(jnp.isfinite(coeffs)) & jnp.isfinite(loss)
+
+
+def guarded_update(finite: jax.Array, coeffs: jax.Array, precon: Any, velocities: Any) -> tuple[jax.Array, Any]:
+    """``(coeffs, delta)`` with ``delta = coeffs[0] * precon + coeffs[1] * velocities``; both
+    zero unless ``finite``. Each leaf keeps its dtype (the coefficients may be wider than
+    float32 weights when the data are float64)."""
+    coeffs = jnp.where(finite, coeffs, 0.0)
+    delta = jax.tree_util.tree_map(
+        lambda a, b: jnp.where(finite, coeffs[0] * a + coeffs[1] * b, 0.0).astype(jnp.result_type(a)),
+        precon, velocities,
+    )
+    return coeffs, delta
+
+
+def zero_unless_finite(precon: Any, updates: Any) -> Any:
+    """``precon``, or zeros when ``precon^T updates`` is not finite (the Optax path's guard)."""
+    finite = jnp.isfinite(utils.inner_product(precon, updates))
+    return jax.tree_util.tree_map(lambda v: jnp.where(finite, v, jnp.zeros_like(v)), precon)
+
+
+def count(counter: Any, skipped: jax.Array) -> Any:
+    """A running count of skips plus this one (``counter`` None: not counted, stays None)."""
+    if counter is None:
+        return None
+    return counter + skipped.astype(jnp.int32)
+
+
+def divergence(first_loss: jax.Array, loss: Any) -> tuple[jax.Array, jax.Array]:
+    """``(first_loss, diverged)``: the first finite loss so far (NaN before) and whether ``loss``
+    is finite but more than ``DIVERGENCE_FACTOR`` times its magnitude (at least 1). A report only."""
+    loss32 = jnp.asarray(loss, jnp.float32)
+    first_loss = jnp.where(jnp.isnan(first_loss) & jnp.isfinite(loss32), loss32, first_loss)
+    diverged = jnp.isfinite(loss32) & (
+        jnp.abs(loss32) > DIVERGENCE_FACTOR * jnp.maximum(jnp.abs(jnp.nan_to_num(first_loss)), 1.0)
+    )
+    return first_loss, diverged
+
+
+class Reporter:
+    """Logs a warning for each step whose update or statistics were skipped, or whose loss diverged.
+
+    Host-side. The flags are read only once computed (``jax.Array.is_ready``), so reporting
+    never waits for the device: a step's line appears at a later call (at most
+    ``REPORT_BACKLOG`` steps later, when the oldest is waited for).
+    """
+
+    KEYS = ("step", "loss", "update_skipped", "curvature_update_skipped", "loss_diverged")
+
+    def __init__(self) -> None:
+        self._pending: collections.deque = collections.deque()
+
+    def __call__(self, stats: Mapping[str, Any]) -> None:
+        """Queues ``stats`` (a step's stats dict) and logs every queued step whose flags are ready."""
+        entry = tuple(stats[k] for k in self.KEYS)
+        if any(isinstance(a, jax.core.Tracer) for a in entry):
+            return  # ``step`` traced inside the user's own jit: there is nothing to read on the host
+        self._pending.append(entry)
+        while self._pending:
+            entry = self._pending[0]
+            if len(self._pending) <= REPORT_BACKLOG and not all(
+                not hasattr(a, "is_ready") or a.is_ready() for a in entry
+            ):
+                break
+            self._pending.popleft()
+            self._log(*(np.asarray(a).reshape(-1)[0] for a in entry))
+
+    @staticmethod
+    def _log(step: Any, loss: Any, skipped: Any, curv_skipped: Any, diverged: Any) -> None:
+        what = [
+            text for flag, text in (
+                (skipped, "update skipped (non-finite loss, gradient or update; parameters unchanged)"),
+                (curv_skipped, "curvature statistics update skipped (non-finite; previous statistics kept)"),
+                (diverged, f"loss diverging (more than {DIVERGENCE_FACTOR:g}x the first loss)"),
+            ) if flag
+        ]
+        if what:
+            logger.warning("curvax step %d (loss %s): %s.", int(step), float(loss), "; ".join(what))

@@ -1,0 +1,48 @@
+"""The inverse refresh: recomputing the blocks' cached (damped) inverses or eigenbases.
+
+``refresh_cache`` is the one place that calls the estimator's ``update_cache``; the schedules
+(periodic, every step, staggered over the period) are built on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def cache_powers(period: int, use_exact_inverses: bool) -> tuple[Any, Any]:
+    """``(exact_powers, approx_powers)`` to cache: the inverse, exact or approximate, when
+    refreshed every ``period > 1`` steps; nothing with 1 (powers come from the statistics)."""
+    if period == 1:
+        return None, None
+    return (-1, None) if use_exact_inverses else (None, -1)
+
+
+def refresh_cache(estimator: Any, state: Any, identity_weight: Any, exact_powers: Any, approx_powers: Any) -> Any:
+    """Every block's cache recomputed from its statistics, with ``identity_weight`` as damping."""
+    return estimator.update_cache(state, identity_weight, exact_powers, approx_powers, False)
+
+
+def refresh_when(estimator: Any, state: Any, due: Any, identity_weight: Any, exact_powers: Any, approx_powers: Any) -> Any:
+    """``refresh_cache`` when ``due`` (a Python bool, or a traced boolean: a ``lax.cond``)."""
+    if due is True:
+        return refresh_cache(estimator, state, identity_weight, exact_powers, approx_powers)
+    if due is False:
+        return state
+    return jax.lax.cond(
+        due, lambda s: refresh_cache(estimator, s, identity_weight, exact_powers, approx_powers), lambda s: s, state
+    )
+
+
+def refresh(
+    estimator: Any, state: Any, step: jax.Array, period: int, identity_weight: Any, exact_powers: Any,
+    approx_powers: Any, staggered: bool = False,
+) -> Any:
+    """The refresh due at ``step``: every block at multiples of ``period`` (every step for 1),
+    or with ``staggered`` each block at its own phase of the period (``refresh_phases``)."""
+    if staggered:
+        # One compiled step serves every phase; each block's refresh sits in its own conditional.
+        return estimator.update_cache_staggered(state, step, period, identity_weight, exact_powers, approx_powers, False)
+    due = True if period == 1 else step % period == 0
+    return refresh_when(estimator, state, due, identity_weight, exact_powers, approx_powers)
