@@ -104,7 +104,8 @@ __version__ = "0.1.0"
 tag_graph_matcher = patterns  # kfac-jax's module name for the pattern API
 
 # kfac-jax v0.0.8 module names (``kfac_jax.tracer``, ``kfac_jax.loss_functions`` ...):
-# thin namespaces in ``curvax.kfac_api``, also importable as ``curvax.<name>``.
+# thin namespaces in ``curvax.kfac_api``, also importable as ``curvax.<name>``. Nothing
+# below this file imports ``curvax.kfac_api``: the compatibility layer sits on top.
 from curvax.kfac_api import (  # noqa: E402
     curvature_blocks,
     curvature_estimator,
@@ -113,6 +114,7 @@ from curvax.kfac_api import (  # noqa: E402
     patches_second_moment,
     tracer,
 )
+from curvax.kfac_api import utils_names as _utils_names  # noqa: E402
 
 
 def _alias_kfac_modules() -> None:
@@ -127,10 +129,24 @@ def _alias_kfac_modules() -> None:
 
 _alias_kfac_modules()
 
+
+def _add_kfac_utils_names() -> None:
+    """Adds kfac-jax's other ``utils`` names to ``curvax.utils`` (``kfac_jax.utils`` is ``curvax.utils``).
+
+    The core modules import ``curvax.utils`` for its own helpers only; the
+    compatibility-only names (``curvax.kfac_api.utils_names``) join it here, on top.
+    """
+    for name in _utils_names.__all__:
+        if not hasattr(utils, name):
+            setattr(utils, name, getattr(_utils_names, name))
+
+
+_add_kfac_utils_names()
+
 # kfac-jax v0.0.8 top-level names for its tracer's data classes.
-LayerData = layers_and_loss_tags.LayerData
+from curvax.tracing import LayerData, LayerVjpData  # noqa: E402
+
 LayerMetaData = layers_and_loss_tags.LayerMetaData
-LayerVjpData = tracer.LayerVjpData
 
 # kfac-jax v0.0.8's Optax interface (``curvax.preconditioner``; compatibility-only).
 OptaxPreconditioner = curvature_estimator.OptaxPreconditioner

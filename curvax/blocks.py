@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from curvax import _generations, linalg
-from curvax import tags
+from curvax import _generations, linalg, tags, utils
+from curvax.tracing import LayerData, LayerVjpData
 
 Array = jax.Array
 Numeric = Any
@@ -151,9 +151,7 @@ class WeightedMovingAverage:
         Only inside a ``pmap``/``shard_map`` binding ``pmap_axis_name``; elsewhere (e.g. a
         plain ``jit``, where shardings reduce the statistics) it does nothing, as in kfac-jax.
         """
-        from curvax.utils import in_pmap  # curvax.utils imports this module
-
-        if in_pmap(pmap_axis_name):
+        if utils.in_pmap(pmap_axis_name):
             self.value = lax.pmean(self.value, pmap_axis_name)
 
 
@@ -277,8 +275,6 @@ def estimation_data_as_layer_vjp_data(data: Any) -> Any:
         raise TypeError(
             f"`estimation_data` must be a dict of layer data or a LayerVjpData (primals/tangents), got {type(data).__name__}."
         )
-    from curvax.kfac_api.tracer import LayerData, LayerVjpData  # the compatibility layer imports this module
-
     return LayerVjpData(
         primals=LayerData(
             inputs=tuple(data.get("inputs", ())), outputs=tuple(data.get("outputs", ())), params=tuple(data.get("params", ()))

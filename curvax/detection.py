@@ -267,6 +267,40 @@ def known_pattern_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def layer_matchers(graph_patterns: Sequence[Any]) -> tuple[LayerMatcher, ...]:
+    """Detection matchers for ``graph_patterns``, by decreasing precedence, then position.
+
+    Each entry is a ``LayerMatcher`` or a pattern object with a ``layer_matcher()``
+    method (``curvax.GraphPattern``, an entry of ``DEFAULT_GRAPH_PATTERNS``). The
+    result replaces the registered layer kinds: a kind left out is not detected.
+    Detection walks the equations from last to first and at each one tries the
+    patterns in this order (a pattern is anchored at its last equation); the
+    first match wins.
+    """
+    if (
+        isinstance(graph_patterns, (str, bytes))
+        or hasattr(graph_patterns, "layer_matcher")
+        or not isinstance(graph_patterns, Sequence)
+    ):
+        raise TypeError(
+            "`graph_patterns` must be a sequence of curvax.GraphPattern objects (e.g. "
+            f"`(my_pattern,) + curvax.tag_graph_matcher.DEFAULT_GRAPH_PATTERNS`), got {type(graph_patterns).__name__}."
+        )
+    out = []
+    for i, p in enumerate(graph_patterns):
+        if isinstance(p, LayerMatcher):
+            out.append(p)
+        elif callable(getattr(p, "layer_matcher", None)):
+            out.append(p.layer_matcher())
+        else:
+            raise TypeError(
+                f"`graph_patterns`[{i}] must be a curvax.GraphPattern (or an entry of "
+                f"DEFAULT_GRAPH_PATTERNS), got {type(p).__name__}: {p!r}."
+            )
+    order = sorted(range(len(out)), key=lambda i: (-out[i].precedence, i))
+    return tuple(out[i] for i in order)
+
+
 register_layer_matcher(
     "dense",
     match_dense,
