@@ -10,7 +10,7 @@ kfac-jax calling convention into curvax's tags, so both produce the same jaxpr.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Generic, TypeVar
 
 import jax
 

@@ -252,43 +252,16 @@ def _bias_on_channels(program: Program, chain: Sequence[int], bias: Key, out_sha
     """Whether the plumbing puts bias element j at channel j of ``axis`` (any bias shape with that size)."""
     shape = tuple(program.avals[bias].shape)
     if len(shape) == 1:
-        # Detection may run while an outer jit traces: evaluate the plumbing eagerly.
-        with jax.ensure_compile_time_eval():
-            return detection.bias_maps_to_feature_axis(program, chain, bias, out_shape, axis)
+        return detection.bias_maps_to_feature_axis(program, chain, bias, out_shape, axis)
     if math.prod(shape) != out_shape[axis]:
         return False
-    val: Any = np.arange(1, out_shape[axis] + 1, dtype=np.float32).reshape(shape)
-    try:
-        with jax.ensure_compile_time_eval():
-            for idx in chain:
-                node = program.nodes[idx]
-                params = dict(node.params)
-                if node.primitive.name == "convert_element_type":
-                    params["new_dtype"] = np.float32
-                val = np.asarray(node.primitive.bind(val, **params))
-        got = np.broadcast_to(val, out_shape)
-    except Exception:  # noqa: BLE001 - any failure means "not a bias"
+    got = detection.push_labels(program, chain, np.arange(1, out_shape[axis] + 1, dtype=np.float32).reshape(shape), out_shape)
+    if got is None:
         return False
     want_shape = [1] * len(out_shape)
     want_shape[axis] = out_shape[axis]
     want = np.broadcast_to(np.arange(1, out_shape[axis] + 1, dtype=np.float32).reshape(want_shape), out_shape)
     return bool(np.array_equal(got, want))
-
-
-def _kernel_source(program: Program, ctx: detection.Context, atom: Any) -> tuple[Key, list[int]] | None:
-    """The parameter behind a kernel operand, through dtype casts (mixed precision), and the casts."""
-    casts: list[int] = []
-    while not isinstance(atom, Lit):
-        if atom in ctx.matchable_params:
-            return atom, casts
-        idx = program.producer.get(atom)
-        if idx is None or program.nodes[idx].primitive.name not in ("convert_element_type", "copy"):
-            return None
-        if len(ctx.consumers(program, atom)) != 1:
-            return None
-        casts.append(idx)
-        atom = program.nodes[idx].inputs[0]
-    return None
 
 
 def _make_matcher(num_spatial: int) -> detection.Matcher:
@@ -299,7 +272,7 @@ def _make_matcher(num_spatial: int) -> detection.Matcher:
         if node.primitive.name != "conv_general_dilated" or len(node.inputs) != 2:
             return None
         x, w_in = node.inputs
-        found = _kernel_source(program, ctx, w_in)
+        found = detection.cast_source(program, ctx, w_in)
         if found is None or isinstance(x, Lit) or x == found[0]:
             return None
         w, casts = found

@@ -20,7 +20,6 @@ from curvax.tracing import Lit, Program
 __all__ = ["embedding", "register_embedding", "EmbeddingKroneckerFactored", "match_embedding"]
 
 embedding = tags.LayerTag("embedding", num_inputs=1, num_outputs=1)
-_CASTS = frozenset({"convert_element_type", "copy"})
 
 
 def register_embedding(y: jax.Array, ids: jax.Array, table: jax.Array, **kwargs: Any) -> jax.Array:
@@ -266,20 +265,6 @@ blocks.set_default_tag_to_block_ctor("embedding", EmbeddingKroneckerFactored)
 # ----------------------------------------------------------------------------------
 
 
-def _table_source(program: Program, ctx: detection.Context, atom: Any) -> tuple[Any, list[int]] | None:
-    """The single-use parameter behind ``atom``, through dtype casts used only on the way (nnx casts)."""
-    chain: list[int] = []
-    while not isinstance(atom, Lit):
-        if atom in ctx.matchable_params:
-            return atom, chain
-        j = program.producer.get(atom)
-        if j is None or program.nodes[j].primitive.name not in _CASTS or len(ctx.consumers(program, atom)) != 1:
-            return None
-        chain.append(j)
-        atom = program.nodes[j].inputs[0]
-    return None
-
-
 def match_embedding(program: Program, idx: int, ctx: detection.Context) -> detection.Match | None:
     """``table[ids]``: a ``gather`` of whole rows of a single-use ``(vocab, d)`` parameter.
 
@@ -290,7 +275,7 @@ def match_embedding(program: Program, idx: int, ctx: detection.Context) -> detec
     if node.primitive.name != "gather" or len(node.inputs) != 2 or node.outputs[0] is None:
         return None
     operand, indices = node.inputs
-    found = _table_source(program, ctx, operand)
+    found = detection.cast_source(program, ctx, operand)
     if found is None or isinstance(indices, Lit):
         return None
     table, casts = found
