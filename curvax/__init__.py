@@ -1,19 +1,20 @@
 """curvax: second-order optimization and curvature approximations in JAX.
 
 The public API mirrors kfac-jax's documented one, so ``import curvax as
-kfac_jax`` runs kfac-jax code. Modules, in dependency order:
+kfac_jax`` runs kfac-jax code. Modules, in layers: each imports only modules of
+its own line or of the lines before it (``docs/guides/architecture.md``):
 
+* ``_compat``, ``linalg``, ``utils`` -- JAX internals, PSD linear algebra, small helpers;
 * ``tags``, ``losses``       -- marking layers and losses in a computation;
-* ``tracing``, ``transforms`` -- reading a traced function, Jacobian products;
-* ``detection``              -- finding layers automatically;
-* ``blocks``, ``linalg``     -- curvature blocks (Kronecker, diagonal, full ...);
-* ``stacked``                -- blocks for layers stacked in a ``lax.scan``;
+* ``tracing``                -- reading a traced function;
+* ``detection``, ``transforms``, ``patterns`` -- finding layers, Jacobian products;
+* ``blocks``, ``stacked``, ``layers`` -- curvature blocks (Kronecker, diagonal, full ...);
 * ``estimators``             -- block-diagonal and exact curvature estimators;
-* ``optimizer``, ``parallel`` -- the K-FAC optimizer; its state on several devices;
-* ``preconditioner``         -- K-FAC as an Optax gradient transformation;
-* ``laplace``                -- log-determinants, posterior samples, evidence;
-* ``kfac_api``               -- kfac-jax v0.0.8's module names (``curvax.tracer``,
-  ``curvax.loss_functions`` ...): thin namespaces over the modules above.
+* ``optimizer``, ``parallel``, ``preconditioner``, ``operators``, ``laplace`` -- the
+  K-FAC optimizer, K-FAC as an Optax transformation, curvature operators, Laplace;
+* ``kfac_api``, ``kfac_ferminet_alpha`` -- kfac-jax's module names (``curvax.tracer``,
+  ``curvax.loss_functions`` ...): thin namespaces over the modules above. Only this
+  file imports them.
 """
 
 from curvax import laplace, layers, patterns, utils  # importing `layers` registers every layer kind

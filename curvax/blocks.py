@@ -959,9 +959,7 @@ _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = 5
 def set_default_eigen_decomposition_threshold(value: int) -> None:
     """Sets how many approximate powers ``Full`` caches one by one before switching to eigh."""
     global _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"The eigen decomposition threshold must be a non-negative int, got {value!r}.")
-    _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = int(value)
+    _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = utils.check_int(value, "eigen_decomposition_threshold", 0)
 
 
 def get_default_eigen_decomposition_threshold() -> int:
@@ -1145,7 +1143,74 @@ class DenseFull(_DenseLayerMixin, Full):
 # ----------------------------------------------------------------------------------
 
 
-class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
+def bias_augmented(a: Array, mean: Array) -> Array:
+    """``[[A, m], [m^T, 1]]``: the second moment of ``[x; 1]`` from that of ``x`` (``A``) and its mean ``m``.
+
+    How a bias enters a Kronecker input factor; assembled from pieces, so no copy
+    of the inputs with a ones column is made.
+    """
+    return jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), a.dtype)]])
+
+
+class _FactorPairBlock(CurvatureBlock, abc.ABC):
+    """A block kept as an inputs factor ``A`` and an outputs factor ``G`` (moving averages).
+
+    What ``TwoKroneckerFactored`` and the embedding block (``A`` diagonal) share:
+    how a batch's factors enter the state, which products the cache serves (exact
+    powers other than 1 and the approximate inverse), the cached eigenvalues and
+    the factors scaled for the cache. Subclasses define ``_factors(state)``.
+    """
+
+    @abc.abstractmethod
+    def _factors(self, state: Any) -> tuple[Array, Array]:
+        """``A`` and ``G`` as read from the state's moving averages."""
+
+    @staticmethod
+    def _with_factors_updated(state: Any, a: Array, g: Array, ema_old: Numeric, ema_new: Numeric) -> Any:
+        """A copy of ``state`` whose ``inputs_factor`` and ``outputs_factor`` averages took in ``a`` and ``g``."""
+        state = _copy_state(state)
+        state.inputs_factor.update(a, ema_old, ema_new)
+        state.outputs_factor.update(g, ema_old, ema_new)
+        return state
+
+    def _check_approx_cacheable(self, power: Numeric) -> None:
+        if power != -1:
+            raise NotImplementedError(
+                f"{self._name} ({type(self).__name__}): approximate power {power} cannot be cached; only the "
+                "approximate inverse (power -1) can. Use exact powers for other powers."
+            )
+
+    def _serves_from_cache(self, power, exact_power):
+        return power != 1 if exact_power else power == -1
+
+    @abc.abstractmethod
+    def _factor_eigenvalues(self, a: Array, g: Array) -> tuple[Array, Array]:
+        """The eigenvalues of ``A`` and ``G`` (as ``_factors`` returns them)."""
+
+    def _eigenvalues_unscaled(self, state, use_cached):
+        if use_cached:
+            cache = state.cache or {}
+            if "inputs_factor_eigenvalues" not in cache:
+                raise self._missing_cache("the eigenvalues", "cache_eigenvalues")
+            sa, sg = cache["inputs_factor_eigenvalues"], cache["outputs_factor_eigenvalues"]
+        else:
+            sa, sg = self._factor_eigenvalues(*self._factors(state))
+        return jnp.outer(sa, sg).ravel()
+
+    def _cache_and_scaled_factors(self, state: Any, approx_powers: Sequence[Numeric]) -> tuple[dict, Array, Array]:
+        """Where ``_update_cache`` starts: a copy of the cache, and ``A`` and ``G`` each times
+        ``sqrt(state_dependent_scale)`` (the cache holds the scaled matrix's pieces)."""
+        for p in approx_powers:
+            self._check_approx_cacheable(p)
+        a, g = self._factors(state)
+        s = self.state_dependent_scale(state)
+        if not _is_one(s):
+            root = jnp.sqrt(s)
+            a, g = a * root, g * root
+        return dict(state.cache or {}), a, g
+
+
+class TwoKroneckerFactored(_FactorPairBlock, abc.ABC):
     """``C ~= A (x) G`` for a layer with a weight and an optional bias.
 
     The parameters are arranged as one matrix ``V = [W; b^T]`` of shape
@@ -1254,18 +1319,8 @@ class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
             outputs_factor=WeightedMovingAverage.zeros((do, do), dtype),
         )
 
-    def _check_approx_cacheable(self, power: Numeric) -> None:
-        if power != -1:
-            raise NotImplementedError(
-                f"{self._name} ({type(self).__name__}): approximate power {power} cannot be cached; only the "
-                "approximate inverse (power -1) can. Use exact powers for other powers."
-            )
-
     def _factors(self, state: Any) -> tuple[Array, Array]:
         return linalg.symmetrize(state.inputs_factor.value), linalg.symmetrize(state.outputs_factor.value)
-
-    def _serves_from_cache(self, power, exact_power):
-        return power != 1 if exact_power else power == -1
 
     def _multiply_matpower_unscaled(self, state, vector, identity_weight, power, exact_power, use_cached):
         v = self._params_to_array(vector, jnp)
@@ -1310,26 +1365,11 @@ class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
         sg, qg = linalg.safe_psd_eigh(g)
         return self.array_to_parameters_shaped_list((qa**2) @ (1.0 / (jnp.outer(sa, sg) + identity_weight)) @ (qg**2).T)
 
-    def _eigenvalues_unscaled(self, state, use_cached):
-        if use_cached:
-            cache = state.cache or {}
-            if "inputs_factor_eigenvalues" not in cache:
-                raise self._missing_cache("the eigenvalues", "cache_eigenvalues")
-            sa, sg = cache["inputs_factor_eigenvalues"], cache["outputs_factor_eigenvalues"]
-        else:
-            a, g = self._factors(state)
-            sa, sg = linalg.safe_eigvalsh(a), linalg.safe_eigvalsh(g)
-        return jnp.outer(sa, sg).ravel()
+    def _factor_eigenvalues(self, a: Array, g: Array) -> tuple[Array, Array]:
+        return linalg.safe_eigvalsh(a), linalg.safe_eigvalsh(g)
 
     def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
-        for p in approx_powers:
-            self._check_approx_cacheable(p)
-        cache = dict(state.cache or {})
-        a, g = self._factors(state)
-        s = self.state_dependent_scale(state)
-        if not _is_one(s):
-            root = jnp.sqrt(s)
-            a, g = a * root, g * root
+        cache, a, g = self._cache_and_scaled_factors(state, approx_powers)
         if exact_powers or "inputs_factor_eigen_vectors" in cache:
             sa, qa = linalg.safe_psd_eigh(a)
             sg, qg = linalg.safe_psd_eigh(g)
@@ -1403,14 +1443,8 @@ class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
         n = x.shape[0]
         a = linalg.gram(x) / n
         if self.has_bias:
-            # [x, 1]^T [x, 1] assembled from pieces: no copy of x with a ones column.
-            mean = jnp.sum(x, axis=0) / n
-            a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), dtype)]])
-        g = linalg.gram(dy) / batch_size
-        state = _copy_state(state)
-        state.inputs_factor.update(a, ema_old, ema_new)
-        state.outputs_factor.update(g, ema_old, ema_new)
-        return state
+            a = bias_augmented(a, jnp.sum(x, axis=0) / n)
+        return self._with_factors_updated(state, a, linalg.gram(dy) / batch_size, ema_old, ema_new)
 
 
 class DenseTwoKroneckerFactoredReduce(DenseTwoKroneckerFactored):
@@ -1439,13 +1473,8 @@ class DenseTwoKroneckerFactoredReduce(DenseTwoKroneckerFactored):
         n = xbar.shape[0]
         a = linalg.gram(xbar) / n
         if self.has_bias:
-            mean = jnp.sum(xbar, axis=0) / n
-            a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), dtype)]])
-        g = linalg.gram(s) / batch_size
-        state = _copy_state(state)
-        state.inputs_factor.update(a, ema_old, ema_new)
-        state.outputs_factor.update(g, ema_old, ema_new)
-        return state
+            a = bias_augmented(a, jnp.sum(xbar, axis=0) / n)
+        return self._with_factors_updated(state, a, linalg.gram(s) / batch_size, ema_old, ema_new)
 
 
 # ----------------------------------------------------------------------------------
@@ -1500,9 +1529,7 @@ class RepeatedDenseKroneckerFactored(DenseTwoKroneckerFactored):
             keep = jnp.ones(x3.shape[:2], self.dtype)
         x2 = (x3 * keep[..., None]).reshape(-1, x3.shape[-1])
         dy2 = dy3.reshape(-1, dy3.shape[-1])
-        state = _copy_state(state)
-        state.inputs_factor.update(linalg.gram(x2) / batch_size, ema_old, ema_new)
-        state.outputs_factor.update(linalg.gram(dy2) / batch_size, ema_old, ema_new)
+        state = self._with_factors_updated(state, linalg.gram(x2) / batch_size, linalg.gram(dy2) / batch_size, ema_old, ema_new)
         state.average_repeats.update(jnp.sum(keep) / batch_size, ema_old, ema_new)
         return state
 
@@ -1684,10 +1711,8 @@ class _TwoFactorTNT(TwoKroneckerFactored, abc.ABC):
     ):
         del pmap_axis_name
         a, g = self._tnt_factors_from_data(estimation_data, batch_size)
-        state = _copy_state(state)
-        state.inputs_factor.update(a.astype(state.inputs_factor.value.dtype), ema_old, ema_new)
-        state.outputs_factor.update(g.astype(state.outputs_factor.value.dtype), ema_old, ema_new)
-        return state
+        a, g = a.astype(state.inputs_factor.value.dtype), g.astype(state.outputs_factor.value.dtype)
+        return self._with_factors_updated(state, a, g, ema_old, ema_new)
 
 
 class NaiveTNT(_TwoFactorTNT):
@@ -1831,9 +1856,7 @@ _MAX_PARALLEL_ELEMENTS = 2**23
 def set_max_parallel_elements(value: int) -> None:
     """Sets the memory/parallelism trade-off knob of per-example blocks (kept for API parity)."""
     global _MAX_PARALLEL_ELEMENTS
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"max parallel elements must be a positive int, got {value!r}.")
-    _MAX_PARALLEL_ELEMENTS = int(value)
+    _MAX_PARALLEL_ELEMENTS = utils.check_int(value, "max_parallel_elements", 1)
 
 
 def get_max_parallel_elements() -> int:
