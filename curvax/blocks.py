@@ -928,6 +928,20 @@ class _DenseLayerMixin:
         return grads
 
 
+class _DenseKroneckerMixin(_DenseLayerMixin):
+    """A dense layer's Kronecker factors: ``A`` over the inputs (and the bias), ``G`` over the outputs."""
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
+        super().__init__(layer_tag_eq, name)  # type: ignore[call-arg]
+        self._check_dense()
+
+    def input_size(self) -> int:
+        return self.dense_in_dim + int(self.has_bias)  # type: ignore[attr-defined]
+
+    def output_size(self) -> int:
+        return self.dense_out_dim
+
+
 class DenseDiagonal(_DenseLayerMixin, Diagonal):
     """Diagonal of the per-example Fisher of a dense layer: ``mean_n g_n^2``.
 
@@ -1322,6 +1336,12 @@ class TwoKroneckerFactored(_FactorPairBlock, abc.ABC):
     def _factors(self, state: Any) -> tuple[Array, Array]:
         return linalg.symmetrize(state.inputs_factor.value), linalg.symmetrize(state.outputs_factor.value)
 
+    def _input_moment(self, rows: Array) -> Array:
+        """``A = (1/n) sum_i [r_i; 1][r_i; 1]^T`` over the ``n`` rows ``r_i`` of ``rows`` (the 1 only with a bias)."""
+        n = rows.shape[0]
+        a = linalg.gram(rows) / n
+        return bias_augmented(a, jnp.sum(rows, axis=0) / n) if self.has_bias else a
+
     def _multiply_matpower_unscaled(self, state, vector, identity_weight, power, exact_power, use_cached):
         v = self._params_to_array(vector, jnp)
         cache = state.cache or {}
@@ -1409,7 +1429,7 @@ class TwoKroneckerFactored(_FactorPairBlock, abc.ABC):
 KroneckerFactored = TwoKroneckerFactored
 
 
-class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
+class DenseTwoKroneckerFactored(_DenseKroneckerMixin, TwoKroneckerFactored):
     """K-FAC for dense layers: ``A = E[x x^T]`` (x with a trailing 1 for the bias), ``G = E[dy dy^T]``.
 
     With extra (sequence) axes the positions are treated like extra examples
@@ -1418,16 +1438,6 @@ class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
     plain batch averages, and for a single example ``A (x) G`` is exactly the
     outer product of the gradient.
     """
-
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
-        super().__init__(layer_tag_eq, name)
-        self._check_dense()
-
-    def input_size(self) -> int:
-        return self.dense_in_dim + int(self.has_bias)
-
-    def output_size(self) -> int:
-        return self.dense_out_dim
 
     def update_curvature_matrix_estimate(
         self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
@@ -1438,13 +1448,8 @@ class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
         dy = _per_example(dy, self.dense_out_dim, "outputs_tangent[0]").reshape(-1, self.dense_out_dim)
         if x.shape[0] != dy.shape[0]:
             raise ValueError(f"{self._name}: inputs and output tangents have different numbers of rows.")
-        dtype = self.dtype
-        x, dy = x.astype(dtype), dy.astype(dtype)
-        n = x.shape[0]
-        a = linalg.gram(x) / n
-        if self.has_bias:
-            a = bias_augmented(a, jnp.sum(x, axis=0) / n)
-        return self._with_factors_updated(state, a, linalg.gram(dy) / batch_size, ema_old, ema_new)
+        x, dy = x.astype(self.dtype), dy.astype(self.dtype)
+        return self._with_factors_updated(state, self._input_moment(x), linalg.gram(dy) / batch_size, ema_old, ema_new)
 
 
 class DenseTwoKroneckerFactoredReduce(DenseTwoKroneckerFactored):
@@ -1470,11 +1475,7 @@ class DenseTwoKroneckerFactoredReduce(DenseTwoKroneckerFactored):
         if x3.shape[:2] != dy3.shape[:2]:
             raise ValueError(f"{self._name}: inputs {x.shape} and output tangents {dy.shape} disagree on leading axes.")
         xbar, s = jnp.mean(x3, axis=1), jnp.sum(dy3, axis=1)
-        n = xbar.shape[0]
-        a = linalg.gram(xbar) / n
-        if self.has_bias:
-            a = bias_augmented(a, jnp.sum(xbar, axis=0) / n)
-        return self._with_factors_updated(state, a, linalg.gram(s) / batch_size, ema_old, ema_new)
+        return self._with_factors_updated(state, self._input_moment(xbar), linalg.gram(s) / batch_size, ema_old, ema_new)
 
 
 # ----------------------------------------------------------------------------------
@@ -1756,23 +1757,13 @@ class NaiveTNT(_TwoFactorTNT):
         return (v @ v.T) / batch_size, (v.T @ v) / batch_size
 
 
-class DenseTNT(_DenseLayerMixin, _TwoFactorTNT):
+class DenseTNT(_DenseKroneckerMixin, _TwoFactorTNT):
     """TNT for dense layers from per-example gradients ``V_n = sum_t [x_nt; 1] dy_nt^T``.
 
     ``A = (1/B) sum_n V_n V_n^T`` and ``G = (1/B) sum_n V_n^T V_n``; with one
     position per example these are ``(1/B) sum_n |dy_n|^2 [x_n; 1][x_n; 1]^T``
     and ``(1/B) sum_n (|x_n|^2 + 1) dy_n dy_n^T``.
     """
-
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
-        super().__init__(layer_tag_eq, name)
-        self._check_dense()
-
-    def input_size(self) -> int:
-        return self.dense_in_dim + int(self.has_bias)
-
-    def output_size(self) -> int:
-        return self.dense_out_dim
 
     def _tnt_factors_from_data(self, estimation_data, batch_size):
         x3, dy3 = self._augmented_per_example(estimation_data, self.dtype)

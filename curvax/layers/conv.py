@@ -836,11 +836,8 @@ class ConvTwoKroneckerFactoredReduce(ConvTwoKroneckerFactored):
         n = p.shape[0]
         pbar = jnp.mean(p.reshape(n, -1, c * k), axis=1)
         pbar = pbar.reshape(n, c, k).transpose(0, 2, 1).reshape(n, k * c)  # the kernel's (offset, channel) order
-        a = linalg.gram(pbar) / n
-        if self.has_bias:
-            a = blocks.bias_augmented(a, jnp.sum(pbar, axis=0) / n)
         sums = jnp.sum(_canonical_out(dy, s).reshape(n, -1, self.num_outputs_channels), axis=1)
-        return self._with_factors_updated(state, a, linalg.gram(sums) / batch_size, ema_old, ema_new)
+        return self._with_factors_updated(state, self._input_moment(pbar), linalg.gram(sums) / batch_size, ema_old, ema_new)
 
 
 class ConvGroupedTwoKroneckerFactored(_ConvMixin, blocks.CurvatureBlock):
