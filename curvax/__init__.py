@@ -1,19 +1,20 @@
 """curvax: second-order optimization and curvature approximations in JAX.
 
 The public API mirrors kfac-jax's documented one, so ``import curvax as
-kfac_jax`` runs kfac-jax code. Modules, in dependency order:
+kfac_jax`` runs kfac-jax code. Modules, in layers: each imports only modules of
+its own line or of the lines before it (``docs/guides/architecture.md``):
 
+* ``_compat``, ``linalg``, ``utils`` -- JAX internals, PSD linear algebra, small helpers;
 * ``tags``, ``losses``       -- marking layers and losses in a computation;
-* ``tracing``, ``transforms`` -- reading a traced function, Jacobian products;
-* ``detection``              -- finding layers automatically;
-* ``blocks``, ``linalg``     -- curvature blocks (Kronecker, diagonal, full ...);
-* ``stacked``                -- blocks for layers stacked in a ``lax.scan``;
+* ``tracing``                -- reading a traced function;
+* ``detection``, ``transforms``, ``patterns`` -- finding layers, Jacobian products;
+* ``blocks``, ``stacked``, ``layers`` -- curvature blocks (Kronecker, diagonal, full ...);
 * ``estimators``             -- block-diagonal and exact curvature estimators;
-* ``optimizer``, ``parallel`` -- the K-FAC optimizer; its state on several devices;
-* ``preconditioner``         -- K-FAC as an Optax gradient transformation;
-* ``laplace``                -- log-determinants, posterior samples, evidence;
-* ``kfac_api``               -- kfac-jax v0.0.8's module names (``curvax.tracer``,
-  ``curvax.loss_functions`` ...): thin namespaces over the modules above.
+* ``optimizer``, ``parallel``, ``preconditioner``, ``operators``, ``laplace`` -- the
+  K-FAC optimizer, K-FAC as an Optax transformation, curvature operators, Laplace;
+* ``kfac_api``, ``kfac_ferminet_alpha`` -- kfac-jax's module names (``curvax.tracer``,
+  ``curvax.loss_functions`` ...): thin namespaces over the modules above. Only this
+  file imports them.
 """
 
 from curvax import laplace, layers, patterns, utils  # importing `layers` registers every layer kind
@@ -104,7 +105,8 @@ __version__ = "0.1.0"
 tag_graph_matcher = patterns  # kfac-jax's module name for the pattern API
 
 # kfac-jax v0.0.8 module names (``kfac_jax.tracer``, ``kfac_jax.loss_functions`` ...):
-# thin namespaces in ``curvax.kfac_api``, also importable as ``curvax.<name>``.
+# thin namespaces in ``curvax.kfac_api``, also importable as ``curvax.<name>``. Nothing
+# below this file imports ``curvax.kfac_api``: the compatibility layer sits on top.
 from curvax.kfac_api import (  # noqa: E402
     curvature_blocks,
     curvature_estimator,
@@ -113,6 +115,7 @@ from curvax.kfac_api import (  # noqa: E402
     patches_second_moment,
     tracer,
 )
+from curvax.kfac_api import utils_names as _utils_names  # noqa: E402
 
 
 def _alias_kfac_modules() -> None:
@@ -127,10 +130,24 @@ def _alias_kfac_modules() -> None:
 
 _alias_kfac_modules()
 
+
+def _add_kfac_utils_names() -> None:
+    """Adds kfac-jax's other ``utils`` names to ``curvax.utils`` (``kfac_jax.utils`` is ``curvax.utils``).
+
+    The core modules import ``curvax.utils`` for its own helpers only; the
+    compatibility-only names (``curvax.kfac_api.utils_names``) join it here, on top.
+    """
+    for name in _utils_names.__all__:
+        if not hasattr(utils, name):
+            setattr(utils, name, getattr(_utils_names, name))
+
+
+_add_kfac_utils_names()
+
 # kfac-jax v0.0.8 top-level names for its tracer's data classes.
-LayerData = layers_and_loss_tags.LayerData
+from curvax.tracing import LayerData, LayerVjpData  # noqa: E402
+
 LayerMetaData = layers_and_loss_tags.LayerMetaData
-LayerVjpData = tracer.LayerVjpData
 
 # kfac-jax v0.0.8's Optax interface (``curvax.preconditioner``; compatibility-only).
 OptaxPreconditioner = curvature_estimator.OptaxPreconditioner

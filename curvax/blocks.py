@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from curvax import _generations, linalg
-from curvax import tags
+from curvax import _generations, linalg, tags, utils
+from curvax.tracing import LayerData, LayerVjpData
 
 Array = jax.Array
 Numeric = Any
@@ -151,9 +151,7 @@ class WeightedMovingAverage:
         Only inside a ``pmap``/``shard_map`` binding ``pmap_axis_name``; elsewhere (e.g. a
         plain ``jit``, where shardings reduce the statistics) it does nothing, as in kfac-jax.
         """
-        from curvax.utils import in_pmap  # curvax.utils imports this module
-
-        if in_pmap(pmap_axis_name):
+        if utils.in_pmap(pmap_axis_name):
             self.value = lax.pmean(self.value, pmap_axis_name)
 
 
@@ -277,8 +275,6 @@ def estimation_data_as_layer_vjp_data(data: Any) -> Any:
         raise TypeError(
             f"`estimation_data` must be a dict of layer data or a LayerVjpData (primals/tangents), got {type(data).__name__}."
         )
-    from curvax.kfac_api.tracer import LayerData, LayerVjpData  # the compatibility layer imports this module
-
     return LayerVjpData(
         primals=LayerData(
             inputs=tuple(data.get("inputs", ())), outputs=tuple(data.get("outputs", ())), params=tuple(data.get("params", ()))
@@ -932,6 +928,20 @@ class _DenseLayerMixin:
         return grads
 
 
+class _DenseKroneckerMixin(_DenseLayerMixin):
+    """A dense layer's Kronecker factors: ``A`` over the inputs (and the bias), ``G`` over the outputs."""
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
+        super().__init__(layer_tag_eq, name)  # type: ignore[call-arg]
+        self._check_dense()
+
+    def input_size(self) -> int:
+        return self.dense_in_dim + int(self.has_bias)  # type: ignore[attr-defined]
+
+    def output_size(self) -> int:
+        return self.dense_out_dim
+
+
 class DenseDiagonal(_DenseLayerMixin, Diagonal):
     """Diagonal of the per-example Fisher of a dense layer: ``mean_n g_n^2``.
 
@@ -963,9 +973,7 @@ _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = 5
 def set_default_eigen_decomposition_threshold(value: int) -> None:
     """Sets how many approximate powers ``Full`` caches one by one before switching to eigh."""
     global _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"The eigen decomposition threshold must be a non-negative int, got {value!r}.")
-    _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = int(value)
+    _DEFAULT_EIGEN_DECOMPOSITION_THRESHOLD = utils.check_int(value, "eigen_decomposition_threshold", 0)
 
 
 def get_default_eigen_decomposition_threshold() -> int:
@@ -1149,7 +1157,74 @@ class DenseFull(_DenseLayerMixin, Full):
 # ----------------------------------------------------------------------------------
 
 
-class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
+def bias_augmented(a: Array, mean: Array) -> Array:
+    """``[[A, m], [m^T, 1]]``: the second moment of ``[x; 1]`` from that of ``x`` (``A``) and its mean ``m``.
+
+    How a bias enters a Kronecker input factor; assembled from pieces, so no copy
+    of the inputs with a ones column is made.
+    """
+    return jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), a.dtype)]])
+
+
+class _FactorPairBlock(CurvatureBlock, abc.ABC):
+    """A block kept as an inputs factor ``A`` and an outputs factor ``G`` (moving averages).
+
+    What ``TwoKroneckerFactored`` and the embedding block (``A`` diagonal) share:
+    how a batch's factors enter the state, which products the cache serves (exact
+    powers other than 1 and the approximate inverse), the cached eigenvalues and
+    the factors scaled for the cache. Subclasses define ``_factors(state)``.
+    """
+
+    @abc.abstractmethod
+    def _factors(self, state: Any) -> tuple[Array, Array]:
+        """``A`` and ``G`` as read from the state's moving averages."""
+
+    @staticmethod
+    def _with_factors_updated(state: Any, a: Array, g: Array, ema_old: Numeric, ema_new: Numeric) -> Any:
+        """A copy of ``state`` whose ``inputs_factor`` and ``outputs_factor`` averages took in ``a`` and ``g``."""
+        state = _copy_state(state)
+        state.inputs_factor.update(a, ema_old, ema_new)
+        state.outputs_factor.update(g, ema_old, ema_new)
+        return state
+
+    def _check_approx_cacheable(self, power: Numeric) -> None:
+        if power != -1:
+            raise NotImplementedError(
+                f"{self._name} ({type(self).__name__}): approximate power {power} cannot be cached; only the "
+                "approximate inverse (power -1) can. Use exact powers for other powers."
+            )
+
+    def _serves_from_cache(self, power, exact_power):
+        return power != 1 if exact_power else power == -1
+
+    @abc.abstractmethod
+    def _factor_eigenvalues(self, a: Array, g: Array) -> tuple[Array, Array]:
+        """The eigenvalues of ``A`` and ``G`` (as ``_factors`` returns them)."""
+
+    def _eigenvalues_unscaled(self, state, use_cached):
+        if use_cached:
+            cache = state.cache or {}
+            if "inputs_factor_eigenvalues" not in cache:
+                raise self._missing_cache("the eigenvalues", "cache_eigenvalues")
+            sa, sg = cache["inputs_factor_eigenvalues"], cache["outputs_factor_eigenvalues"]
+        else:
+            sa, sg = self._factor_eigenvalues(*self._factors(state))
+        return jnp.outer(sa, sg).ravel()
+
+    def _cache_and_scaled_factors(self, state: Any, approx_powers: Sequence[Numeric]) -> tuple[dict, Array, Array]:
+        """Where ``_update_cache`` starts: a copy of the cache, and ``A`` and ``G`` each times
+        ``sqrt(state_dependent_scale)`` (the cache holds the scaled matrix's pieces)."""
+        for p in approx_powers:
+            self._check_approx_cacheable(p)
+        a, g = self._factors(state)
+        s = self.state_dependent_scale(state)
+        if not _is_one(s):
+            root = jnp.sqrt(s)
+            a, g = a * root, g * root
+        return dict(state.cache or {}), a, g
+
+
+class TwoKroneckerFactored(_FactorPairBlock, abc.ABC):
     """``C ~= A (x) G`` for a layer with a weight and an optional bias.
 
     The parameters are arranged as one matrix ``V = [W; b^T]`` of shape
@@ -1258,18 +1333,14 @@ class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
             outputs_factor=WeightedMovingAverage.zeros((do, do), dtype),
         )
 
-    def _check_approx_cacheable(self, power: Numeric) -> None:
-        if power != -1:
-            raise NotImplementedError(
-                f"{self._name} ({type(self).__name__}): approximate power {power} cannot be cached; only the "
-                "approximate inverse (power -1) can. Use exact powers for other powers."
-            )
-
     def _factors(self, state: Any) -> tuple[Array, Array]:
         return linalg.symmetrize(state.inputs_factor.value), linalg.symmetrize(state.outputs_factor.value)
 
-    def _serves_from_cache(self, power, exact_power):
-        return power != 1 if exact_power else power == -1
+    def _input_moment(self, rows: Array) -> Array:
+        """``A = (1/n) sum_i [r_i; 1][r_i; 1]^T`` over the ``n`` rows ``r_i`` of ``rows`` (the 1 only with a bias)."""
+        n = rows.shape[0]
+        a = linalg.gram(rows) / n
+        return bias_augmented(a, jnp.sum(rows, axis=0) / n) if self.has_bias else a
 
     def _multiply_matpower_unscaled(self, state, vector, identity_weight, power, exact_power, use_cached):
         v = self._params_to_array(vector, jnp)
@@ -1314,26 +1385,11 @@ class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
         sg, qg = linalg.safe_psd_eigh(g)
         return self.array_to_parameters_shaped_list((qa**2) @ (1.0 / (jnp.outer(sa, sg) + identity_weight)) @ (qg**2).T)
 
-    def _eigenvalues_unscaled(self, state, use_cached):
-        if use_cached:
-            cache = state.cache or {}
-            if "inputs_factor_eigenvalues" not in cache:
-                raise self._missing_cache("the eigenvalues", "cache_eigenvalues")
-            sa, sg = cache["inputs_factor_eigenvalues"], cache["outputs_factor_eigenvalues"]
-        else:
-            a, g = self._factors(state)
-            sa, sg = linalg.safe_eigvalsh(a), linalg.safe_eigvalsh(g)
-        return jnp.outer(sa, sg).ravel()
+    def _factor_eigenvalues(self, a: Array, g: Array) -> tuple[Array, Array]:
+        return linalg.safe_eigvalsh(a), linalg.safe_eigvalsh(g)
 
     def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
-        for p in approx_powers:
-            self._check_approx_cacheable(p)
-        cache = dict(state.cache or {})
-        a, g = self._factors(state)
-        s = self.state_dependent_scale(state)
-        if not _is_one(s):
-            root = jnp.sqrt(s)
-            a, g = a * root, g * root
+        cache, a, g = self._cache_and_scaled_factors(state, approx_powers)
         if exact_powers or "inputs_factor_eigen_vectors" in cache:
             sa, qa = linalg.safe_psd_eigh(a)
             sg, qg = linalg.safe_psd_eigh(g)
@@ -1373,7 +1429,7 @@ class TwoKroneckerFactored(CurvatureBlock, abc.ABC):
 KroneckerFactored = TwoKroneckerFactored
 
 
-class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
+class DenseTwoKroneckerFactored(_DenseKroneckerMixin, TwoKroneckerFactored):
     """K-FAC for dense layers: ``A = E[x x^T]`` (x with a trailing 1 for the bias), ``G = E[dy dy^T]``.
 
     With extra (sequence) axes the positions are treated like extra examples
@@ -1382,16 +1438,6 @@ class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
     plain batch averages, and for a single example ``A (x) G`` is exactly the
     outer product of the gradient.
     """
-
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
-        super().__init__(layer_tag_eq, name)
-        self._check_dense()
-
-    def input_size(self) -> int:
-        return self.dense_in_dim + int(self.has_bias)
-
-    def output_size(self) -> int:
-        return self.dense_out_dim
 
     def update_curvature_matrix_estimate(
         self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
@@ -1402,19 +1448,8 @@ class DenseTwoKroneckerFactored(_DenseLayerMixin, TwoKroneckerFactored):
         dy = _per_example(dy, self.dense_out_dim, "outputs_tangent[0]").reshape(-1, self.dense_out_dim)
         if x.shape[0] != dy.shape[0]:
             raise ValueError(f"{self._name}: inputs and output tangents have different numbers of rows.")
-        dtype = self.dtype
-        x, dy = x.astype(dtype), dy.astype(dtype)
-        n = x.shape[0]
-        a = linalg.gram(x) / n
-        if self.has_bias:
-            # [x, 1]^T [x, 1] assembled from pieces: no copy of x with a ones column.
-            mean = jnp.sum(x, axis=0) / n
-            a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), dtype)]])
-        g = linalg.gram(dy) / batch_size
-        state = _copy_state(state)
-        state.inputs_factor.update(a, ema_old, ema_new)
-        state.outputs_factor.update(g, ema_old, ema_new)
-        return state
+        x, dy = x.astype(self.dtype), dy.astype(self.dtype)
+        return self._with_factors_updated(state, self._input_moment(x), linalg.gram(dy) / batch_size, ema_old, ema_new)
 
 
 class DenseTwoKroneckerFactoredReduce(DenseTwoKroneckerFactored):
@@ -1440,16 +1475,7 @@ class DenseTwoKroneckerFactoredReduce(DenseTwoKroneckerFactored):
         if x3.shape[:2] != dy3.shape[:2]:
             raise ValueError(f"{self._name}: inputs {x.shape} and output tangents {dy.shape} disagree on leading axes.")
         xbar, s = jnp.mean(x3, axis=1), jnp.sum(dy3, axis=1)
-        n = xbar.shape[0]
-        a = linalg.gram(xbar) / n
-        if self.has_bias:
-            mean = jnp.sum(xbar, axis=0) / n
-            a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), dtype)]])
-        g = linalg.gram(s) / batch_size
-        state = _copy_state(state)
-        state.inputs_factor.update(a, ema_old, ema_new)
-        state.outputs_factor.update(g, ema_old, ema_new)
-        return state
+        return self._with_factors_updated(state, self._input_moment(xbar), linalg.gram(s) / batch_size, ema_old, ema_new)
 
 
 # ----------------------------------------------------------------------------------
@@ -1504,9 +1530,7 @@ class RepeatedDenseKroneckerFactored(DenseTwoKroneckerFactored):
             keep = jnp.ones(x3.shape[:2], self.dtype)
         x2 = (x3 * keep[..., None]).reshape(-1, x3.shape[-1])
         dy2 = dy3.reshape(-1, dy3.shape[-1])
-        state = _copy_state(state)
-        state.inputs_factor.update(linalg.gram(x2) / batch_size, ema_old, ema_new)
-        state.outputs_factor.update(linalg.gram(dy2) / batch_size, ema_old, ema_new)
+        state = self._with_factors_updated(state, linalg.gram(x2) / batch_size, linalg.gram(dy2) / batch_size, ema_old, ema_new)
         state.average_repeats.update(jnp.sum(keep) / batch_size, ema_old, ema_new)
         return state
 
@@ -1688,10 +1712,8 @@ class _TwoFactorTNT(TwoKroneckerFactored, abc.ABC):
     ):
         del pmap_axis_name
         a, g = self._tnt_factors_from_data(estimation_data, batch_size)
-        state = _copy_state(state)
-        state.inputs_factor.update(a.astype(state.inputs_factor.value.dtype), ema_old, ema_new)
-        state.outputs_factor.update(g.astype(state.outputs_factor.value.dtype), ema_old, ema_new)
-        return state
+        a, g = a.astype(state.inputs_factor.value.dtype), g.astype(state.outputs_factor.value.dtype)
+        return self._with_factors_updated(state, a, g, ema_old, ema_new)
 
 
 class NaiveTNT(_TwoFactorTNT):
@@ -1735,23 +1757,13 @@ class NaiveTNT(_TwoFactorTNT):
         return (v @ v.T) / batch_size, (v.T @ v) / batch_size
 
 
-class DenseTNT(_DenseLayerMixin, _TwoFactorTNT):
+class DenseTNT(_DenseKroneckerMixin, _TwoFactorTNT):
     """TNT for dense layers from per-example gradients ``V_n = sum_t [x_nt; 1] dy_nt^T``.
 
     ``A = (1/B) sum_n V_n V_n^T`` and ``G = (1/B) sum_n V_n^T V_n``; with one
     position per example these are ``(1/B) sum_n |dy_n|^2 [x_n; 1][x_n; 1]^T``
     and ``(1/B) sum_n (|x_n|^2 + 1) dy_n dy_n^T``.
     """
-
-    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None):
-        super().__init__(layer_tag_eq, name)
-        self._check_dense()
-
-    def input_size(self) -> int:
-        return self.dense_in_dim + int(self.has_bias)
-
-    def output_size(self) -> int:
-        return self.dense_out_dim
 
     def _tnt_factors_from_data(self, estimation_data, batch_size):
         x3, dy3 = self._augmented_per_example(estimation_data, self.dtype)
@@ -1835,9 +1847,7 @@ _MAX_PARALLEL_ELEMENTS = 2**23
 def set_max_parallel_elements(value: int) -> None:
     """Sets the memory/parallelism trade-off knob of per-example blocks (kept for API parity)."""
     global _MAX_PARALLEL_ELEMENTS
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"max parallel elements must be a positive int, got {value!r}.")
-    _MAX_PARALLEL_ELEMENTS = int(value)
+    _MAX_PARALLEL_ELEMENTS = utils.check_int(value, "max_parallel_elements", 1)
 
 
 def get_max_parallel_elements() -> int:

@@ -26,6 +26,7 @@ from curvax.tracing import Key, LayerSite, LayerUse, Lit, Program, ScanRef, feat
 # Ops that only broadcast/reshape/cast a bias vector on its way to the add.
 _BIAS_PLUMBING = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "expand_dims", "squeeze", "copy"})
 _ADD_OPS = frozenset({"add", "add_any"})
+_CASTS = frozenset({"convert_element_type", "copy"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,46 @@ def bias_source(program: Program, ctx: Context, atom: Any) -> tuple[Key, list[in
     return None
 
 
+def push_labels(program: Program, chain: Sequence[int], labels: np.ndarray, out_shape: tuple) -> np.ndarray | None:
+    """``labels`` sent through the plumbing equations ``chain`` and broadcast to ``out_shape``.
+
+    How detection checks numerically where a parameter lands in a layer's output:
+    push distinct values through the broadcasts, reshapes and casts between them
+    (casts to float32, so that every label stays exact). None when the plumbing
+    does not take them to ``out_shape``.
+    """
+    try:
+        with jax.ensure_compile_time_eval():  # detection may itself run under a jax transformation
+            val: Any = labels
+            for idx in chain:
+                node = program.nodes[idx]
+                params = dict(node.params)
+                if node.primitive.name == "convert_element_type":
+                    params["new_dtype"] = np.float32
+                val = np.asarray(node.primitive.bind(val, **params))
+        return np.broadcast_to(val, out_shape)
+    except Exception:  # noqa: BLE001 - plumbing that does not place the labels is no match
+        return None
+
+
+def cast_source(program: Program, ctx: Context, atom: Any) -> tuple[Key, list[int]] | None:
+    """The matchable parameter behind ``atom`` through single-use dtype casts and copies, and those nodes.
+
+    Mixed precision casts a kernel or table before use; the layer is still the
+    parameter's. None when ``atom`` is no such parameter.
+    """
+    casts: list[int] = []
+    while not isinstance(atom, Lit):
+        if atom in ctx.matchable_params:
+            return atom, casts
+        idx = program.producer.get(atom)
+        if idx is None or program.nodes[idx].primitive.name not in _CASTS or len(ctx.consumers(program, atom)) != 1:
+            return None
+        casts.append(idx)
+        atom = program.nodes[idx].inputs[0]
+    return None
+
+
 def bias_maps_to_feature_axis(program: Program, chain: Sequence[int], bias_key: Key, out_shape: tuple, axis: Any) -> bool:
     """Checks numerically that the plumbing places ``b[j]`` at index j of ``axis``.
 
@@ -94,17 +135,8 @@ def bias_maps_to_feature_axis(program: Program, chain: Sequence[int], bias_key: 
     if int(np.prod(d, dtype=int)) != int(np.prod(want_shape, dtype=int)) or len(d) not in (1, len(axes)):
         return False
     size = int(np.prod(d, dtype=int))
-    val: Any = np.arange(1, size + 1, dtype=np.float32).reshape(d)
-    try:
-        with jax.ensure_compile_time_eval():  # detection may itself run under a jax transformation
-            for idx in chain:
-                node = program.nodes[idx]
-                params = dict(node.params)
-                if node.primitive.name == "convert_element_type":
-                    params["new_dtype"] = np.float32
-                val = np.asarray(node.primitive.bind(val, **params))
-        got = np.broadcast_to(val, out_shape)
-    except Exception:  # noqa: BLE001 - any failure means "not a bias"
+    got = push_labels(program, chain, np.arange(1, size + 1, dtype=np.float32).reshape(d), out_shape)
+    if got is None:
         return False
     base = np.arange(1, size + 1, dtype=np.float32).reshape(want_shape + (1,) * (len(out_shape) - len(axes)))
     want = np.broadcast_to(np.moveaxis(base, tuple(range(len(axes))), axes), out_shape)
@@ -265,6 +297,40 @@ def known_pattern_names() -> tuple[str, ...]:
     for m in registered_matchers():
         out += [m.name, *m.pattern_names]
     return tuple(dict.fromkeys(out))
+
+
+def layer_matchers(graph_patterns: Sequence[Any]) -> tuple[LayerMatcher, ...]:
+    """Detection matchers for ``graph_patterns``, by decreasing precedence, then position.
+
+    Each entry is a ``LayerMatcher`` or a pattern object with a ``layer_matcher()``
+    method (``curvax.GraphPattern``, an entry of ``DEFAULT_GRAPH_PATTERNS``). The
+    result replaces the registered layer kinds: a kind left out is not detected.
+    Detection walks the equations from last to first and at each one tries the
+    patterns in this order (a pattern is anchored at its last equation); the
+    first match wins.
+    """
+    if (
+        isinstance(graph_patterns, (str, bytes))
+        or hasattr(graph_patterns, "layer_matcher")
+        or not isinstance(graph_patterns, Sequence)
+    ):
+        raise TypeError(
+            "`graph_patterns` must be a sequence of curvax.GraphPattern objects (e.g. "
+            f"`(my_pattern,) + curvax.tag_graph_matcher.DEFAULT_GRAPH_PATTERNS`), got {type(graph_patterns).__name__}."
+        )
+    out = []
+    for i, p in enumerate(graph_patterns):
+        if isinstance(p, LayerMatcher):
+            out.append(p)
+        elif callable(getattr(p, "layer_matcher", None)):
+            out.append(p.layer_matcher())
+        else:
+            raise TypeError(
+                f"`graph_patterns`[{i}] must be a curvax.GraphPattern (or an entry of "
+                f"DEFAULT_GRAPH_PATTERNS), got {type(p).__name__}: {p!r}."
+            )
+    order = sorted(range(len(out)), key=lambda i: (-out[i].precedence, i))
+    return tuple(out[i] for i in order)
 
 
 register_layer_matcher(

@@ -346,9 +346,10 @@ class LossFunction(abc.ABC):
     def multiply_ggn_factor_transpose_unweighted(self, vector: Sequence[Array]) -> Array:
         """``B^T v``."""
 
-    @abc.abstractmethod
     def multiply_ggn_factor_replicated_one_hot_unweighted(self, index: Sequence[int]) -> tuple[Array, ...]:
-        """``B e_index`` for every batch row at once."""
+        """``B e_index`` for every batch row at once: ``B`` applied to the replicated one-hot array."""
+        e = _replicated_one_hot(self.ggn_factor_inner_shape, index, self.parameter_dependants[0].dtype)
+        return self.multiply_ggn_factor_unweighted(e)
 
     @property
     @abc.abstractmethod
@@ -396,9 +397,10 @@ class NegativeLogProbLoss(LossFunction):
     def multiply_fisher_factor_transpose_unweighted(self, vector: Sequence[Array]) -> Array:
         """``B^T v``."""
 
-    @abc.abstractmethod
     def multiply_fisher_factor_replicated_one_hot_unweighted(self, index: Sequence[int]) -> tuple[Array, ...]:
-        """``B e_index`` for every batch row at once."""
+        """``B e_index`` for every batch row at once: ``B`` applied to the replicated one-hot array."""
+        e = _replicated_one_hot(self.fisher_factor_inner_shape, index, self.params[0].dtype)
+        return self.multiply_fisher_factor_unweighted(e)
 
     @property
     @abc.abstractmethod
@@ -426,9 +428,6 @@ class NaturalParamsNegativeLogProbLoss(NegativeLogProbLoss):
 
     def multiply_ggn_factor_transpose_unweighted(self, vector: Sequence[Array]) -> Array:
         return self.multiply_fisher_factor_transpose_unweighted(vector)
-
-    def multiply_ggn_factor_replicated_one_hot_unweighted(self, index: Sequence[int]) -> tuple[Array, ...]:
-        return self.multiply_fisher_factor_replicated_one_hot_unweighted(index)
 
     @property
     def ggn_factor_inner_shape(self) -> Shape:
@@ -526,10 +525,6 @@ class NormalMeanNegativeLogProbLoss(DistributionNegativeLogProbLoss, NaturalPara
         (v,) = _vectors(vector, 1, "multiply_fisher_factor_transpose")
         return v / jnp.sqrt(self._var())
 
-    def multiply_fisher_factor_replicated_one_hot_unweighted(self, index: Sequence[int]) -> tuple[Array, ...]:
-        e = _replicated_one_hot(np.shape(self._mean), index, self._mean.dtype)
-        return self.multiply_fisher_factor_unweighted(e)
-
 
 @jax.tree_util.register_pytree_node_class
 class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
@@ -588,10 +583,6 @@ class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
         s = self._variance
         return jnp.concatenate([vm / jnp.sqrt(s), vs / (math.sqrt(2.0) * s)], axis=-1)
 
-    def multiply_fisher_factor_replicated_one_hot_unweighted(self, index: Sequence[int]) -> tuple[Array, ...]:
-        e = _replicated_one_hot(self.fisher_factor_inner_shape, index, self._mean.dtype)
-        return self.multiply_fisher_factor_unweighted(e)
-
     def _no_ggn(self) -> Any:
         raise NotImplementedError(
             "NormalMeanVarianceNegativeLogProbLoss has no GGN (its Hessian in (mean, variance) is not "
@@ -606,9 +597,6 @@ class NormalMeanVarianceNegativeLogProbLoss(DistributionNegativeLogProbLoss):
         return self._no_ggn()
 
     def multiply_ggn_factor_transpose_unweighted(self, vector: Sequence[Array]) -> Array:
-        return self._no_ggn()
-
-    def multiply_ggn_factor_replicated_one_hot_unweighted(self, index: Sequence[int]) -> tuple[Array, ...]:
         return self._no_ggn()
 
     @property
@@ -659,10 +647,6 @@ class MultiBernoulliNegativeLogProbLoss(DistributionNegativeLogProbLoss, Natural
     def multiply_fisher_factor_transpose_unweighted(self, vector: Sequence[Array]) -> Array:
         (v,) = _vectors(vector, 1, "multiply_fisher_factor_transpose")
         return stable_sqrt(self._variances()) * v
-
-    def multiply_fisher_factor_replicated_one_hot_unweighted(self, index: Sequence[int]) -> tuple[Array, ...]:
-        e = _replicated_one_hot(np.shape(self._logits), index, self._logits.dtype)
-        return self.multiply_fisher_factor_unweighted(e)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -753,10 +737,6 @@ class CategoricalLogitsNegativeLogProbLoss(DistributionNegativeLogProbLoss, Natu
         p, q = self._probs()
         btv = q * v - q * jnp.sum(p * v, axis=-1, keepdims=True)
         return self._apply_mask(btv, root=True)
-
-    def multiply_fisher_factor_replicated_one_hot_unweighted(self, index: Sequence[int]) -> tuple[Array, ...]:
-        e = _replicated_one_hot(np.shape(self._logits), index, self._logits.dtype)
-        return self.multiply_fisher_factor_unweighted(e)
 
 
 @jax.tree_util.register_pytree_node_class

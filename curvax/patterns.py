@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from curvax import _compat, detection, tags
+from curvax.detection import layer_matchers  # noqa: F401  (how ProcessedJaxpr reads `graph_patterns`)
 from curvax.tracing import Key, Lit, Program
+from curvax.transforms import auto_register_tags  # noqa: F401  (kfac-jax's `tag_graph_matcher.auto_register_tags`)
 
 # Binary primitives whose two operands may be swapped.
 _COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min", "and", "or", "xor", "eq", "ne"})
@@ -424,39 +426,7 @@ def __getattr__(name: str) -> Any:
     # Computed on access so that layer kinds registered later are included.
     if name == "DEFAULT_GRAPH_PATTERNS":
         return default_graph_patterns()
-    if name == "auto_register_tags":  # kfac-jax's `tag_graph_matcher.auto_register_tags`
-        from curvax.transforms import auto_register_tags
-
-        return auto_register_tags
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def layer_matchers(graph_patterns: Sequence[Any]) -> tuple[detection.LayerMatcher, ...]:
-    """Detection matchers for ``graph_patterns``, by decreasing precedence, then position.
-
-    The result replaces the registered layer kinds: a kind left out is not
-    detected. Detection walks the equations from last to first and at each one
-    tries the patterns in this order (a pattern is anchored at its last
-    equation); the first match wins.
-    """
-    if isinstance(graph_patterns, (str, bytes, GraphPattern, BuiltinPattern)) or not isinstance(graph_patterns, Sequence):
-        raise TypeError(
-            "`graph_patterns` must be a sequence of curvax.GraphPattern objects (e.g. "
-            f"`(my_pattern,) + curvax.tag_graph_matcher.DEFAULT_GRAPH_PATTERNS`), got {type(graph_patterns).__name__}."
-        )
-    out = []
-    for i, p in enumerate(graph_patterns):
-        if isinstance(p, (GraphPattern, BuiltinPattern)):
-            out.append(p.layer_matcher())
-        elif isinstance(p, detection.LayerMatcher):
-            out.append(p)
-        else:
-            raise TypeError(
-                f"`graph_patterns`[{i}] must be a curvax.GraphPattern (or an entry of "
-                f"DEFAULT_GRAPH_PATTERNS), got {type(p).__name__}: {p!r}."
-            )
-    order = sorted(range(len(out)), key=lambda i: (-out[i].precedence, i))
-    return tuple(out[i] for i in order)
 
 
 # --- kfac-jax helpers that client code (FermiNet) builds its own patterns from -------

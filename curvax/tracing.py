@@ -16,15 +16,15 @@ their own parameters; equations with sub-jaxprs are evaluated by JAX itself
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
 
-
 from curvax import _compat, tags
 
 Key = int
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -365,6 +365,53 @@ class LayerUse:
     output: Key
     inputs: tuple[Atom, ...]
     meta: Mapping[str, Any]
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerData(Generic[T]):
+    """A layer's ``inputs``, ``outputs`` and ``params`` (a pytree of three tuples).
+
+    The values a layer tag equation binds, split by the tag. kfac-jax calls this
+    class ``layers_and_loss_tags.LayerData``; ``curvax.kfac_api`` re-exports it.
+    """
+
+    inputs: tuple[T, ...]
+    outputs: tuple[T, ...]
+    params: tuple[T, ...]
+
+    def tree_flatten(self) -> tuple[tuple[tuple, tuple, tuple], None]:
+        """Pytree flattening: children ``(inputs, outputs, params)``, no aux data."""
+        return (self.inputs, self.outputs, self.params), None
+
+    @classmethod
+    def tree_unflatten(cls, aux: None, children: Sequence[tuple]) -> "LayerData":
+        inputs, outputs, params = children
+        return cls(inputs=inputs, outputs=outputs, params=params)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerVjpData(Generic[T]):
+    """One layer's ``primals`` and ``tangents`` (each a ``LayerData``): what a block is estimated from.
+
+    ``tangents.outputs`` and ``tangents.params`` are the cotangents of the
+    layer's outputs and parameters; ``tangents.inputs`` is always ``()``. Blocks
+    written against kfac-jax v0.0.8 receive their estimation data in this form
+    (kfac-jax's ``tracer.LayerVjpData``; ``curvax.kfac_api`` re-exports it).
+    """
+
+    primals: LayerData[T]
+    tangents: LayerData[T]
+
+    def tree_flatten(self) -> tuple[tuple[LayerData, LayerData], None]:
+        """Pytree flattening: children ``(primals, tangents)``, no aux data."""
+        return (self.primals, self.tangents), None
+
+    @classmethod
+    def tree_unflatten(cls, aux: None, children: Sequence[LayerData]) -> "LayerVjpData":
+        primals, tangents = children
+        return cls(primals=primals, tangents=tangents)
 
 
 def features_last(x: Any, axes: Any) -> Any:

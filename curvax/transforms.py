@@ -108,11 +108,7 @@ class ProcessedJaxpr:
         self.all_nodes = self.program.live_nodes(loss_roots + list(self.program.output_atoms))
         self._memo: dict[Any, Any] = {}
 
-        matchers = None
-        if graph_patterns is not None:
-            from curvax import patterns  # the extension API (GraphPattern) builds on detection
-
-            matchers = patterns.layer_matchers(graph_patterns)
+        matchers = None if graph_patterns is None else detection.layer_matchers(graph_patterns)
         if auto_register_tags:
             det = detection.detect_layers(
                 self.program, self.loss_nodes, self.num_params, register_only_generic, patterns_to_skip, matchers

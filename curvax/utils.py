@@ -1,7 +1,13 @@
-"""Small pytree and batch helpers used across curvax (and by user code, as in kfac-jax)."""
+"""Small pytree, batch and device helpers used across curvax (and by user code, as in kfac-jax).
+
+This module imports no other curvax module, so every layer can use it. It is
+also kfac-jax's ``utils`` module: ``curvax/__init__.py`` adds kfac-jax's other
+``utils`` names (``curvax.kfac_api.utils_names``) to it.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any, Callable, Sequence
@@ -9,6 +15,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 Params = Any
 Batch = Any
@@ -248,20 +255,44 @@ def param_paths(params: Params) -> list[str]:
 Schedule = Callable[[Any], Any]
 
 
-# kfac-jax v0.0.8's other ``utils`` names (compatibility-only), kept in their own module.
-from curvax.kfac_api.utils_names import *  # noqa: E402,F401,F403
-
-# Names implemented in modules that import this one are resolved on first access.
-_LAZY = {
-    "WeightedMovingAverage": ("curvax.blocks", "WeightedMovingAverage"),
-    "stable_sqrt": ("curvax.losses", "stable_sqrt"),
-}
+# --- multiple devices (pmap) ----------------------------------------------------------
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+def in_pmap(axis_name: str | None) -> bool:
+    """Whether the code is being traced inside a ``pmap`` (or ``shard_map``) binding ``axis_name``."""
+    if axis_name is None:
+        return False
+    try:
+        lax.axis_index(axis_name)
+    except NameError:
+        return False
+    return True
 
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def wrap_if_pmap(p_func: Callable[[Any, str], Any]) -> Callable[[Any, str | None], Any]:
+    """``f(obj, axis_name)``: ``p_func(obj, axis_name)`` inside a pmap over ``axis_name``, else ``obj``."""
+
+    @functools.wraps(p_func)
+    def wrapped(obj: Any, axis_name: str | None) -> Any:
+        return p_func(obj, axis_name) if in_pmap(axis_name) else obj
+
+    return wrapped
+
+
+def pmean_if_pmap(obj: Any, axis_name: str | None) -> Any:
+    """``lax.pmean(obj, axis_name)`` inside a pmap over ``axis_name``, ``obj`` otherwise."""
+    return lax.pmean(obj, axis_name) if in_pmap(axis_name) else obj
+
+
+def psum_if_pmap(obj: Any, axis_name: str | None) -> Any:
+    """``lax.psum(obj, axis_name)`` inside a pmap over ``axis_name``, ``obj`` otherwise."""
+    return lax.psum(obj, axis_name) if in_pmap(axis_name) else obj
+
+
+def _is_scalar(x: Any) -> bool:
+    return isinstance(x, (int, float)) or (hasattr(x, "shape") and x.shape == ())
+
+
+def get_first(obj: Any) -> Any:
+    """The first device's copy of each leaf of a device-stacked pytree (scalars kept)."""
+    return jax.tree_util.tree_map(lambda x: x if _is_scalar(x) else x[0], obj)

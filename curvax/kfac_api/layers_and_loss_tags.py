@@ -10,7 +10,7 @@ kfac-jax calling convention into curvax's tags, so both produce the same jaxpr.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Generic, TypeVar
 
 import jax
 
@@ -18,6 +18,7 @@ from curvax import tags as _tags
 from curvax.layers import conv as _conv
 from curvax.layers.scale_and_shift import register_scale_and_shift  # noqa: F401
 from curvax.tags import LayerTag, LayerTagEqn, LossTag, register_generic  # noqa: F401
+from curvax.tracing import LayerData
 
 T = TypeVar("T")
 Array = jax.Array
@@ -39,25 +40,6 @@ __all__ = [
     "register_generic",
     "register_scale_and_shift",
 ]
-
-
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LayerData(Generic[T]):
-    """A layer's ``inputs``, ``outputs`` and ``params`` (kfac-jax name; a pytree of three tuples)."""
-
-    inputs: tuple[T, ...]
-    outputs: tuple[T, ...]
-    params: tuple[T, ...]
-
-    def tree_flatten(self) -> tuple[tuple[tuple, tuple, tuple], None]:
-        """Pytree flattening: children ``(inputs, outputs, params)``, no aux data."""
-        return (self.inputs, self.outputs, self.params), None
-
-    @classmethod
-    def tree_unflatten(cls, aux: None, children: Sequence[tuple]) -> "LayerData":
-        inputs, outputs, params = children
-        return cls(inputs=inputs, outputs=outputs, params=params)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,17 +18,15 @@ The rule: top-level ``curvax.*`` names keep the documented generation; the
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
 import jax
 
 from curvax import transforms as _transforms
-from curvax.kfac_api.layers_and_loss_tags import LayerData
 from curvax.layers.scale_and_shift import scale_and_shift_product as _scale_and_shift_product
+from curvax.tracing import LayerData, LayerVjpData
 from curvax.transforms import ProcessedJaxpr, auto_register_tags  # noqa: F401
 
-T = TypeVar("T")
 JaxprExtractor = Callable[..., ProcessedJaxpr]
 
 __all__ = [
@@ -40,29 +38,6 @@ __all__ = [
     "loss_tags_jvp",
     "loss_tags_vjp",
 ]
-
-
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LayerVjpData(Generic[T]):
-    """One layer's ``primals`` and ``tangents`` (each a ``LayerData``), as v0.0.8's
-    ``layer_tags_vjp`` returns them (kfac-jax name).
-
-    ``tangents.outputs`` and ``tangents.params`` are the cotangents of the
-    layer's outputs and parameters; ``tangents.inputs`` is always ``()``.
-    """
-
-    primals: LayerData[T]
-    tangents: LayerData[T]
-
-    def tree_flatten(self) -> tuple[tuple[LayerData, LayerData], None]:
-        """Pytree flattening: children ``(primals, tangents)``, no aux data."""
-        return (self.primals, self.tangents), None
-
-    @classmethod
-    def tree_unflatten(cls, aux: None, children: Sequence[LayerData]) -> "LayerVjpData":
-        primals, tangents = children
-        return cls(primals=primals, tangents=tangents)
 
 
 def _with_extractor(f: Callable[..., Any]) -> tuple[Callable[..., Any], JaxprExtractor]:

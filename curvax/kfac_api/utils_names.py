@@ -1,8 +1,11 @@
 """kfac-jax v0.0.8's ``kfac_jax.utils`` names that curvax's own code does not need.
 
-Compatibility-only: everything here is re-exported by ``curvax.utils`` (so
-``kfac_jax.utils.X`` works with ``import curvax as kfac_jax``); implementations
-reuse ``curvax.utils`` and ``curvax.linalg``.
+Compatibility-only. ``kfac_jax.utils`` is ``curvax.utils``: ``curvax/__init__.py``
+adds every name of ``__all__`` to ``curvax.utils`` (so ``kfac_jax.utils.X`` works
+with ``import curvax as kfac_jax``), while curvax's own modules import only the
+core ``curvax.utils``. Implementations reuse ``curvax.utils``, ``curvax.linalg``
+and ``curvax.blocks``; the helpers the core needs too (``in_pmap``, ``get_first``
+...) live in ``curvax.utils`` and are listed here as well.
 """
 
 from __future__ import annotations
@@ -20,16 +23,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from curvax import linalg
+from curvax import blocks, linalg
+from curvax.blocks import WeightedMovingAverage
+from curvax.losses import stable_sqrt
 from curvax.utils import (
     Params,
+    _is_scalar,
+    get_first,
+    in_pmap,
     inner_product,
     norm,
     param_paths,
+    pmean_if_pmap,
+    psum_if_pmap,
     scalar_mul,
     tree_add,
     tree_zeros_like,
     weighted_sum_of_objects,
+    wrap_if_pmap,
 )
 
 __all__ = [
@@ -126,6 +137,8 @@ __all__ = [
     "MultiChunkAccumulator",
     "WithStagedMethods",
     "staged",
+    "WeightedMovingAverage",
+    "stable_sqrt",
 ]
 
 # ----------------------------------------------------------------------------------
@@ -342,9 +355,7 @@ def register_state_class(class_type: type) -> type:
     Same as ``curvax.blocks.register_state_class`` (kfac-jax name), plus the
     registration used for (de)serialization.
     """
-    from curvax.blocks import register_state_class as _register
-
-    cls = _register(class_type)
+    cls = blocks.register_state_class(class_type)
     _STATE_CLASSES[_state_class_name(cls)] = cls
     return cls
 
@@ -735,37 +746,6 @@ def loop_and_parallelize_average(func: Callable[..., Any], max_parallel_size: in
 # --- multiple devices (pmap) ----------------------------------------------------------
 
 
-def in_pmap(axis_name: str | None) -> bool:
-    """Whether the code is being traced inside a ``pmap`` (or ``shard_map``) binding ``axis_name``."""
-    if axis_name is None:
-        return False
-    try:
-        lax.axis_index(axis_name)
-    except NameError:
-        return False
-    return True
-
-
-def wrap_if_pmap(p_func: Callable[[Any, str], Any]) -> Callable[[Any, str | None], Any]:
-    """``f(obj, axis_name)``: ``p_func(obj, axis_name)`` inside a pmap over ``axis_name``, else ``obj``."""
-
-    @functools.wraps(p_func)
-    def wrapped(obj: Any, axis_name: str | None) -> Any:
-        return p_func(obj, axis_name) if in_pmap(axis_name) else obj
-
-    return wrapped
-
-
-def pmean_if_pmap(obj: Any, axis_name: str | None) -> Any:
-    """``lax.pmean(obj, axis_name)`` inside a pmap over ``axis_name``, ``obj`` otherwise."""
-    return lax.pmean(obj, axis_name) if in_pmap(axis_name) else obj
-
-
-def psum_if_pmap(obj: Any, axis_name: str | None) -> Any:
-    """``lax.psum(obj, axis_name)`` inside a pmap over ``axis_name``, ``obj`` otherwise."""
-    return lax.psum(obj, axis_name) if in_pmap(axis_name) else obj
-
-
 _pmap_mean_fn = jax.pmap(lambda x: lax.pmean(x, "i"), axis_name="i")
 _pmap_sum_fn = jax.pmap(lambda x: lax.psum(x, "i"), axis_name="i")
 
@@ -783,15 +763,6 @@ def pmap_sum(obj: Any) -> Any:
 def using_legacy_pmap() -> bool:
     """Whether ``jax.pmap`` is the legacy implementation (kfac-jax helper)."""
     return not bool(jax.config.values.get("jax_pmap_shmap_merge", False))
-
-
-def _is_scalar(x: Any) -> bool:
-    return isinstance(x, (int, float)) or (hasattr(x, "shape") and x.shape == ())
-
-
-def get_first(obj: Any) -> Any:
-    """The first device's copy of each leaf of a device-stacked pytree (scalars kept)."""
-    return jax.tree_util.tree_map(lambda x: x if _is_scalar(x) else x[0], obj)
 
 
 def get_mean(obj: Any) -> Any:

@@ -252,43 +252,16 @@ def _bias_on_channels(program: Program, chain: Sequence[int], bias: Key, out_sha
     """Whether the plumbing puts bias element j at channel j of ``axis`` (any bias shape with that size)."""
     shape = tuple(program.avals[bias].shape)
     if len(shape) == 1:
-        # Detection may run while an outer jit traces: evaluate the plumbing eagerly.
-        with jax.ensure_compile_time_eval():
-            return detection.bias_maps_to_feature_axis(program, chain, bias, out_shape, axis)
+        return detection.bias_maps_to_feature_axis(program, chain, bias, out_shape, axis)
     if math.prod(shape) != out_shape[axis]:
         return False
-    val: Any = np.arange(1, out_shape[axis] + 1, dtype=np.float32).reshape(shape)
-    try:
-        with jax.ensure_compile_time_eval():
-            for idx in chain:
-                node = program.nodes[idx]
-                params = dict(node.params)
-                if node.primitive.name == "convert_element_type":
-                    params["new_dtype"] = np.float32
-                val = np.asarray(node.primitive.bind(val, **params))
-        got = np.broadcast_to(val, out_shape)
-    except Exception:  # noqa: BLE001 - any failure means "not a bias"
+    got = detection.push_labels(program, chain, np.arange(1, out_shape[axis] + 1, dtype=np.float32).reshape(shape), out_shape)
+    if got is None:
         return False
     want_shape = [1] * len(out_shape)
     want_shape[axis] = out_shape[axis]
     want = np.broadcast_to(np.arange(1, out_shape[axis] + 1, dtype=np.float32).reshape(want_shape), out_shape)
     return bool(np.array_equal(got, want))
-
-
-def _kernel_source(program: Program, ctx: detection.Context, atom: Any) -> tuple[Key, list[int]] | None:
-    """The parameter behind a kernel operand, through dtype casts (mixed precision), and the casts."""
-    casts: list[int] = []
-    while not isinstance(atom, Lit):
-        if atom in ctx.matchable_params:
-            return atom, casts
-        idx = program.producer.get(atom)
-        if idx is None or program.nodes[idx].primitive.name not in ("convert_element_type", "copy"):
-            return None
-        if len(ctx.consumers(program, atom)) != 1:
-            return None
-        casts.append(idx)
-        atom = program.nodes[idx].inputs[0]
-    return None
 
 
 def _make_matcher(num_spatial: int) -> detection.Matcher:
@@ -299,7 +272,7 @@ def _make_matcher(num_spatial: int) -> detection.Matcher:
         if node.primitive.name != "conv_general_dilated" or len(node.inputs) != 2:
             return None
         x, w_in = node.inputs
-        found = _kernel_source(program, ctx, w_in)
+        found = detection.cast_source(program, ctx, w_in)
         if found is None or isinstance(x, Lit) or x == found[0]:
             return None
         w, casts = found
@@ -376,8 +349,13 @@ def _patches_setup(
     dim_numbers: Any, inputs_dilation: Any, kernel_dilation: Any, feature_group_count: int,
     batch_group_count: int, precision: Any, where: str,
 ) -> tuple[ConvSpec, tuple[int, ...], int]:
-    """Resolves ``patches_moments`` arguments: (spec of a 1-output-channel conv, kernel shape, channels)."""
+    """Resolves ``patches_moments`` arguments: (spec of a 1-output-channel conv, kernel shape, channels).
+
+    The default ``data_format="NHWC"`` stands for channels last at any rank.
+    """
     tags._check_array("inputs", inputs)
+    if inputs.ndim != 4 and data_format == "NHWC":
+        data_format = None
     n = inputs.ndim - 2
     if n not in _SPATIAL_LETTERS:
         raise ValueError(f"{where}: `inputs` must have rank 3, 4 or 5 (batch, channels, 1-3 spatial), got {inputs.shape}.")
@@ -461,6 +439,18 @@ def _weights_in_out_layout(weighting_array: Any, out_shape: Sequence[int], spec:
         raise ValueError(f"{where}: `weighting_array` of shape {w.shape} does not broadcast to {tuple(want)}.") from None
 
 
+def _conv_patches(x: Array, spec: ConvSpec, k_sp: Sequence[int]) -> Array:
+    """Every patch of ``x`` that the convolution ``spec`` reads, in its output layout.
+
+    One ``lax.conv_general_dilated_patches``: the channel axis of the result holds
+    a patch's features in (input channel, kernel offset) order.
+    """
+    return lax.conv_general_dilated_patches(
+        x, tuple(k_sp), spec.window_strides, spec.padding, spec.lhs_dilation, spec.rhs_dilation,
+        spec.dimension_numbers, _patches_precision(spec.precision),
+    )
+
+
 def _canonical_out(a: Array, spec: ConvSpec) -> Array:
     """Output-layout array as (batch, *spatial, channels)."""
     o = spec.dimension_numbers.out_spec
@@ -489,16 +479,11 @@ def patches_moments_explicit(
     """
     del unroll_loop
     where = "patches_moments_explicit"
-    if inputs.ndim != 4 and data_format == "NHWC":
-        data_format = None
     spec, k_sp, c = _patches_setup(
         inputs, kernel_spatial_shape, strides, padding, data_format, dim_numbers, inputs_dilation,
         kernel_dilation, feature_group_count, batch_group_count, precision, where,
     )
-    patches = lax.conv_general_dilated_patches(
-        inputs, k_sp, spec.window_strides, spec.padding, spec.lhs_dilation, spec.rhs_dilation,
-        spec.dimension_numbers, _patches_precision(precision),
-    )
+    patches = _conv_patches(inputs, spec, k_sp)
     k = math.prod(k_sp)
     # Features come as (channel, *kernel offsets): reorder to (offset, channel).
     p = _canonical_out(patches, spec)
@@ -530,11 +515,7 @@ def _patch_gram(x: Array, spec: ConvSpec, k_sp: Sequence[int], c: int) -> tuple[
     n = x.shape[batch_axis]
 
     def moments(xc: Array) -> tuple[Array, Array]:
-        patches = lax.conv_general_dilated_patches(
-            xc, tuple(k_sp), spec.window_strides, spec.padding, spec.lhs_dilation, spec.rhs_dilation,
-            spec.dimension_numbers, _patches_precision(spec.precision),
-        )
-        p = _canonical_out(patches, spec).reshape(-1, d)  # features (channel, offset)
+        p = _canonical_out(_conv_patches(xc, spec, k_sp), spec).reshape(-1, d)  # features (channel, offset)
         return jnp.matmul(p.T, p, precision=spec.precision), jnp.sum(p, axis=0)
 
     per_example = d * math.prod(_out_shape(spec, x, k_sp)) // max(n, 1)
@@ -593,8 +574,6 @@ def patches_moments(
     one chunk, as fast as ``patches_moments_explicit``.
     """
     where = "patches_moments"
-    if inputs.ndim != 4 and data_format == "NHWC":
-        data_format = None
     spec, k_sp, c = _patches_setup(
         inputs, kernel_spatial_shape, strides, padding, data_format, dim_numbers, inputs_dilation,
         kernel_dilation, feature_group_count, batch_group_count, precision, where,
@@ -652,6 +631,7 @@ class _ConvMixin:
     """Shape bookkeeping and per-example gradients for a convolution tag."""
 
     _required_spatial: int | None = None
+    _max_elements: int | None = None  # the constructor's ``max_elements_for_vmap``, where it has one
 
     def _setup_conv(self) -> None:
         eqn = self.layer_tag_eq  # type: ignore[attr-defined]
@@ -674,6 +654,11 @@ class _ConvMixin:
         x = jax.ShapeDtypeStruct(eqn.inputs[0].shape, eqn.inputs[0].dtype)
         w = jax.ShapeDtypeStruct(eqn.params[0].shape, eqn.inputs[0].dtype)  # the kernel may be cast in the model
         self._out_shape = tuple(jax.eval_shape(self._spec.conv, x, w).shape)
+
+    @property
+    def max_elements_for_vmap(self) -> int:
+        """The chunk size for vmapped per-example work (the constructor's value, else the global default)."""
+        return self._max_elements or blocks.get_max_parallel_elements()
 
     @property
     def conv_spec(self) -> ConvSpec:
@@ -822,14 +807,9 @@ class ConvTwoKroneckerFactored(_ConvMixin, blocks.TwoKroneckerFactored):
         rows = x.shape[s.dimension_numbers.lhs_spec[0]] * self.num_locations
         a = matrix / rows
         if self.has_bias:
-            mean = vector.reshape(d) / rows
-            a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), a.dtype)]])
+            a = blocks.bias_augmented(a, vector.reshape(d) / rows)
         dy2 = jnp.moveaxis(dy, s.dimension_numbers.out_spec[1], -1).reshape(-1, self.num_outputs_channels)
-        g = (dy2.T @ dy2) / batch_size
-        state = blocks._copy_state(state)
-        state.inputs_factor.update(a, ema_old, ema_new)
-        state.outputs_factor.update(g, ema_old, ema_new)
-        return state
+        return self._with_factors_updated(state, a, (dy2.T @ dy2) / batch_size, ema_old, ema_new)
 
 
 class ConvTwoKroneckerFactoredReduce(ConvTwoKroneckerFactored):
@@ -852,24 +832,12 @@ class ConvTwoKroneckerFactoredReduce(ConvTwoKroneckerFactored):
         s = self._spec
         k_sp = self.kernel_spatial_shape
         c, k = self.num_inputs_channels, self.weights_spatial_size
-        patches = lax.conv_general_dilated_patches(
-            x, tuple(k_sp), s.window_strides, s.padding, s.lhs_dilation, s.rhs_dilation,
-            s.dimension_numbers, _patches_precision(s.precision),
-        )
-        p = _canonical_out(patches, s)  # (batch, *locations, features in (channel, offset) order)
+        p = _canonical_out(_conv_patches(x, s, k_sp), s)  # (batch, *locations, features in (channel, offset) order)
         n = p.shape[0]
         pbar = jnp.mean(p.reshape(n, -1, c * k), axis=1)
         pbar = pbar.reshape(n, c, k).transpose(0, 2, 1).reshape(n, k * c)  # the kernel's (offset, channel) order
-        a = linalg.gram(pbar) / n
-        if self.has_bias:
-            mean = jnp.sum(pbar, axis=0) / n
-            a = jnp.block([[a, mean[:, None]], [mean[None, :], jnp.ones((1, 1), a.dtype)]])
         sums = jnp.sum(_canonical_out(dy, s).reshape(n, -1, self.num_outputs_channels), axis=1)
-        g = linalg.gram(sums) / batch_size
-        state = blocks._copy_state(state)
-        state.inputs_factor.update(a, ema_old, ema_new)
-        state.outputs_factor.update(g, ema_old, ema_new)
-        return state
+        return self._with_factors_updated(state, self._input_moment(pbar), linalg.gram(sums) / batch_size, ema_old, ema_new)
 
 
 class ConvGroupedTwoKroneckerFactored(_ConvMixin, blocks.CurvatureBlock):
@@ -939,20 +907,10 @@ class ConvGroupedTwoKroneckerFactored(_ConvMixin, blocks.CurvatureBlock):
         a = jnp.einsum("agcbgd->gacbd", matrix.reshape(k, g, ci, k, g, ci)).reshape(g, k * ci, k * ci) / n_rows
         if self.number_of_parameters == 2:
             mean = vector.reshape(k, g, ci).transpose(1, 0, 2).reshape(g, k * ci) / n_rows
-            ones = jnp.ones((g, 1, 1), a.dtype)
-            a = jnp.concatenate(
-                [jnp.concatenate([a, mean[:, :, None]], 2), jnp.concatenate([mean[:, None, :], ones], 2)], 1
-            )
+            a = jax.vmap(blocks.bias_augmented)(a, mean)
         dy2 = jnp.moveaxis(dy, s.dimension_numbers.out_spec[1], -1).reshape(-1, g, self._co)
         gg = jnp.einsum("rgi,rgj->gij", dy2, dy2) / batch_size
-
-        def update(st: Any, a_g: Array, g_g: Array) -> Any:
-            st = blocks._copy_state(st)
-            st.inputs_factor.update(a_g, ema_old, ema_new)
-            st.outputs_factor.update(g_g, ema_old, ema_new)
-            return st
-
-        return jax.vmap(update)(state, a, gg)
+        return jax.vmap(lambda st, a_g, g_g: self._inner._with_factors_updated(st, a_g, g_g, ema_old, ema_new))(state, a, gg)
 
     # --- products, eigenvalues, caches: the inner block per group ------------------------
 
@@ -996,11 +954,6 @@ class ConvDiagonal(_ConvMixin, blocks.Diagonal):
         self._setup_conv()
         self._max_elements = max_elements_for_vmap
 
-    @property
-    def max_elements_for_vmap(self) -> int:
-        """The chunk size for vmapped per-example work (the constructor's value, else the global default)."""
-        return self._max_elements or blocks.get_max_parallel_elements()
-
     def _diagonals_from_data(self, estimation_data, batch_size):
         x, dy = self._conv_data(estimation_data)
         sums = self._per_example_reduce(
@@ -1022,11 +975,6 @@ class ConvFull(_ConvMixin, blocks.Full):
         super().__init__(layer_tag_eq, name, eigen_decomposition_threshold)
         self._setup_conv()
         self._max_elements = max_elements_for_vmap
-
-    @property
-    def max_elements_for_vmap(self) -> int:
-        """The chunk size for vmapped per-example work (the constructor's value, else the global default)."""
-        return self._max_elements or blocks.get_max_parallel_elements()
 
     def _matrix_from_data(self, estimation_data, batch_size):
         x, dy = self._conv_data(estimation_data)
@@ -1050,11 +998,6 @@ class ConvEigenvalueCorrected(blocks.EigenvalueCorrectedKroneckerFactored, ConvT
     def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str, max_elements_for_vmap: int | None = None):
         super().__init__(layer_tag_eq, name)
         self._max_elements = max_elements_for_vmap
-
-    @property
-    def max_elements_for_vmap(self) -> int:
-        """The chunk size for vmapped per-example work (the constructor's value, else the global default)."""
-        return self._max_elements or blocks.get_max_parallel_elements()
 
     def _eigenvalue_correction_from_data(self, estimation_data, qa, qg, batch_size):
         x, dy = self._conv_data(estimation_data)
@@ -1080,13 +1023,28 @@ class Conv2DTwoKroneckerFactored(ConvTwoKroneckerFactored):
 
 
 class Conv2DDiagonal(ConvDiagonal):
-    """``ConvDiagonal`` for 2-D convolutions."""
+    """Diagonal curvature block for a 2-D convolution (kfac-jax's ``Conv2DDiagonal``).
+
+    It keeps ``(1/B) sum_n g_n^2``, the diagonal of the per-example Fisher of the
+    kernel (and bias), from exact per-example gradients (see ``ConvDiagonal``). It
+    costs one number per parameter, so it suits layers too wide for a Kronecker
+    block, and it ignores every correlation between parameters. It is kfac-jax's
+    2-D block: it refuses a 1-D or 3-D kernel, where ``ConvDiagonal`` takes any.
+    """
 
     _required_spatial = 2
 
 
 class Conv2DFull(ConvFull):
-    """``ConvFull`` for 2-D convolutions."""
+    """Full curvature block for a 2-D convolution (kfac-jax's ``Conv2DFull``).
+
+    It keeps the whole ``(1/B) sum_n g_n g_n^T`` over the layer's parameters
+    (kernel and bias flattened in parameter order), from exact per-example
+    gradients (see ``ConvFull``). No approximation within the layer, at the cost of
+    a ``d x d`` matrix for ``d`` parameters: meant for small layers and for checking
+    the cheaper blocks. It is kfac-jax's 2-D block: it refuses a 1-D or 3-D kernel,
+    where ``ConvFull`` takes any.
+    """
 
     _required_spatial = 2
 

@@ -20,7 +20,6 @@ from curvax.tracing import Lit, Program
 __all__ = ["embedding", "register_embedding", "EmbeddingKroneckerFactored", "match_embedding"]
 
 embedding = tags.LayerTag("embedding", num_inputs=1, num_outputs=1)
-_CASTS = frozenset({"convert_element_type", "copy"})
 
 
 def register_embedding(y: jax.Array, ids: jax.Array, table: jax.Array, **kwargs: Any) -> jax.Array:
@@ -54,7 +53,7 @@ def register_embedding(y: jax.Array, ids: jax.Array, table: jax.Array, **kwargs:
 # ----------------------------------------------------------------------------------
 
 
-class EmbeddingKroneckerFactored(blocks.CurvatureBlock):
+class EmbeddingKroneckerFactored(blocks._FactorPairBlock):
     """K-FAC for an embedding table: ``C = diag(a) (x) G``.
 
     ``a[v]`` is the fraction of looked-up rows (tokens) equal to ``v`` (the
@@ -122,13 +121,6 @@ class EmbeddingKroneckerFactored(blocks.CurvatureBlock):
             outputs_factor=WeightedMovingAverage.zeros((d, d), dtype),
         )
 
-    def _check_approx_cacheable(self, power) -> None:
-        if power != -1:
-            raise NotImplementedError(
-                f"{self.name} ({type(self).__name__}): approximate power {power} cannot be cached; only the "
-                "approximate inverse (power -1) can. Use exact powers for other powers."
-            )
-
     def _ids(self, estimation_data) -> jax.Array:
         xs = tuple(estimation_data["inputs"])
         if len(xs) != 1:
@@ -161,10 +153,7 @@ class EmbeddingKroneckerFactored(blocks.CurvatureBlock):
         else:
             ids = jnp.where((ids >= 0) & (ids < n), ids, n)  # index n is dropped below
         counts = jnp.zeros([n], self.dtype).at[ids].add(1, mode="drop")
-        state = blocks._copy_state(state)
-        state.inputs_factor.update(counts / ids.shape[0], ema_old, ema_new)
-        state.outputs_factor.update((dy.T @ dy) / batch_size, ema_old, ema_new)
-        return state
+        return self._with_factors_updated(state, counts / ids.shape[0], (dy.T @ dy) / batch_size, ema_old, ema_new)
 
     # --- matrix functions -------------------------------------------------------------
 
@@ -182,9 +171,6 @@ class EmbeddingKroneckerFactored(blocks.CurvatureBlock):
         a_d = jnp.where(ok, a + pi * sqrt_d, sqrt_d * jnp.ones_like(a))
         g_d = jnp.where(ok, g + (sqrt_d / pi) * eye, sqrt_d * eye)
         return a_d.astype(a.dtype), g_d.astype(g.dtype)
-
-    def _serves_from_cache(self, power, exact_power):
-        return power != 1 if exact_power else power == -1
 
     def _multiply_matpower_unscaled(self, state, vector, identity_weight, power, exact_power, use_cached):
         v = vector[0]
@@ -218,26 +204,11 @@ class EmbeddingKroneckerFactored(blocks.CurvatureBlock):
                 out = linalg._pow(a_d, power)[:, None] * (v @ linalg.psd_matrix_power(g_d, power))
         return (out,)
 
-    def _eigenvalues_unscaled(self, state, use_cached):
-        if use_cached:
-            cache = state.cache or {}
-            if "inputs_factor_eigenvalues" not in cache:
-                raise self._missing_cache("the eigenvalues", "cache_eigenvalues")
-            sa, sg = cache["inputs_factor_eigenvalues"], cache["outputs_factor_eigenvalues"]
-        else:
-            sa, g = self._factors(state)
-            sg = linalg.safe_eigvalsh(g)
-        return jnp.outer(sa, sg).ravel()
+    def _factor_eigenvalues(self, a: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return a, linalg.safe_eigvalsh(g)  # A is diagonal: its eigenvalues are its entries
 
     def _update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues):
-        for p in approx_powers:
-            self._check_approx_cacheable(p)
-        cache = dict(state.cache or {})
-        a, g = self._factors(state)
-        s = self.state_dependent_scale(state)
-        if not blocks._is_one(s):
-            root = jnp.sqrt(s)
-            a, g = a * root, g * root
+        cache, a, g = self._cache_and_scaled_factors(state, approx_powers)
         if exact_powers or "outputs_factor_eigen_vectors" in cache:
             sg, qg = linalg.safe_psd_eigh(g)
             cache.update(inputs_factor_eigenvalues=a, outputs_factor_eigenvalues=sg, outputs_factor_eigen_vectors=qg)
@@ -266,20 +237,6 @@ blocks.set_default_tag_to_block_ctor("embedding", EmbeddingKroneckerFactored)
 # ----------------------------------------------------------------------------------
 
 
-def _table_source(program: Program, ctx: detection.Context, atom: Any) -> tuple[Any, list[int]] | None:
-    """The single-use parameter behind ``atom``, through dtype casts used only on the way (nnx casts)."""
-    chain: list[int] = []
-    while not isinstance(atom, Lit):
-        if atom in ctx.matchable_params:
-            return atom, chain
-        j = program.producer.get(atom)
-        if j is None or program.nodes[j].primitive.name not in _CASTS or len(ctx.consumers(program, atom)) != 1:
-            return None
-        chain.append(j)
-        atom = program.nodes[j].inputs[0]
-    return None
-
-
 def match_embedding(program: Program, idx: int, ctx: detection.Context) -> detection.Match | None:
     """``table[ids]``: a ``gather`` of whole rows of a single-use ``(vocab, d)`` parameter.
 
@@ -290,7 +247,7 @@ def match_embedding(program: Program, idx: int, ctx: detection.Context) -> detec
     if node.primitive.name != "gather" or len(node.inputs) != 2 or node.outputs[0] is None:
         return None
     operand, indices = node.inputs
-    found = _table_source(program, ctx, operand)
+    found = detection.cast_source(program, ctx, operand)
     if found is None or isinstance(indices, Lit):
         return None
     table, casts = found

@@ -303,17 +303,8 @@ def _placement(program: Program, chain: Sequence[int], key: Key, out_shape: tupl
     if size > _MAX_CHECKED_SIZE or len(p_shape) > len(out_shape):
         return None
     base = np.arange(1, size + 1, dtype=np.float32).reshape(full_shape)
-    try:
-        with jax.ensure_compile_time_eval():
-            val: Any = base
-            for i in chain:
-                node = program.nodes[i]
-                params = dict(node.params)
-                if node.primitive.name == "convert_element_type":
-                    params["new_dtype"] = np.float32
-                val = np.asarray(node.primitive.bind(val, **params))
-        got = np.broadcast_to(val, out_shape)
-    except Exception:  # noqa: BLE001 - plumbing that does not broadcast the parameter is no match
+    got = detection.push_labels(program, chain, base, out_shape)
+    if got is None:
         return None
     n, k = len(out_shape), len(p_shape)
     if tuple(out_shape[n - k :]) == p_shape and np.array_equal(got, np.broadcast_to(base, out_shape)):
