@@ -31,8 +31,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("blocks", ("curvax.blocks", "curvax.stacked", "curvax.layers")),
     ("estimators", ("curvax.estimators",)),
     ("optimizer, preconditioner, operators, laplace", (
-        "curvax.gradients", "curvax.parallel", "curvax.optimizer", "curvax.preconditioner",
-        "curvax.operators", "curvax.laplace",
+        "curvax.gradients", "curvax.parallel", "curvax.step", "curvax.optimizer", "curvax.preconditioner",
+        "curvax.operators", "curvax.laplace", "curvax.checkpoint",
     )),
     ("kfac-jax names", ("curvax.kfac_api", "curvax.kfac_ferminet_alpha")),
     ("public surface and applications", ("curvax", "curvax.autoencoder", "curvax.datasets", "curvax.demo", "curvax.cli")),
