@@ -128,10 +128,15 @@ class Optimizer:
     - ``updates_skipped``: how many steps so far skipped their update (a running count kept in
       the state).
     - ``curvature_update_skipped``: True when this step's curvature statistics came out
-      non-finite (e.g. a NaN example); that statistics update was dropped and the previous
-      statistics kept.
+      non-finite, or its loss did (e.g. a NaN example, or labels out of range whose statistics
+      would still be finite); that statistics update was dropped and the previous statistics
+      kept.
     - ``curvature_updates_skipped``: how many statistics updates were dropped so far (burn-in
       included; a running count kept in the state).
+    - ``learning_rate_invalid``, ``momentum_invalid``, ``damping_invalid``: True when the
+      given or scheduled value was out of range (not finite; a negative damping) where the
+      host could not check it (traced, or a schedule that leaves the range after step 0); the
+      update is then skipped and the log names the coefficient.
     - ``loss_diverged``: True when the loss is finite but more than ``DIVERGENCE_FACTOR`` (1e3)
       times the magnitude of the first finite loss (or of 1, if larger). A report only:
       nothing is changed.
@@ -393,6 +398,7 @@ class Optimizer:
         args = {name: value for name, value in locals().items() if name != "self"}
         _config.check_optimizer_args(args)
         self._config = _config.optimizer_config(args)
+        _config.check_schedules(self._config)
         self._func = ValueFunction(
             value_and_grad_func, bool(value_func_has_aux), bool(value_func_has_state), bool(value_func_has_rng)
         )
@@ -414,6 +420,7 @@ class Optimizer:
             bool(include_norms_in_stats), bool(include_per_param_norms_in_stats),
         )
         self._params_spec: Any = None
+        self._state_spec: Any = None
         self._compile()
         self._forbid = bool(forbid_setting_attributes_after_finalize)
         self._modifiable = frozenset(modifiable_attribute_exceptions)
@@ -531,13 +538,17 @@ class Optimizer:
             with _compat.bound_axes([(self._pmap_axis_name, n)]):
                 self._prepare(*parallel.unplaced_slice((params, rng, batch, func_state)))
             self._program.state_shardings = None  # pmap places the state itself
-            return self._jit_init(params, rng, batch, func_state)
-        self._prepare(params, rng, batch, func_state)
-        return self._jit_init(params, rng, batch, func_state)
+            state = self._jit_init(params, rng, batch, func_state)
+        else:
+            self._prepare(params, rng, batch, func_state)
+            state = self._jit_init(params, rng, batch, func_state)
+        self._state_spec = _config.state_spec(state)
+        return state
 
     def _prepare(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> None:
         """The host-side part of ``init``: checks the arguments, traces the loss, builds the blocks."""
         self._check_params_dtype(params)
+        _config.check_finite_params(params)
         utils.check_batch_leading_sizes(batch)
         if self._has_state and func_state is None:
             raise ValueError("value_func_has_state=True: pass `func_state` to init.")
@@ -590,9 +601,16 @@ class Optimizer:
         Returns:
           ``(state, func_state)``.
         """
-        for _ in range(num_steps):
+        for i in range(num_steps):
             rng, key = parallel.split_keys(rng, 2, self._multi_device)
-            batch = next(data_iterator)
+            try:
+                batch = next(data_iterator)
+            except StopIteration:
+                raise ValueError(
+                    f"`data_iterator` ran out after {i} batch(es) of the burn-in's {num_steps} "
+                    f"(num_burnin_steps={self._config.num_burnin_steps}); the first step needs "
+                    "num_burnin_steps + 1 batches from it."
+                ) from None
             self._check_batch(batch)
             state = self._jit_burnin(params, state, key, batch, func_state)
         return state, func_state
@@ -686,7 +704,10 @@ class Optimizer:
             rng, key = parallel.split_keys(rng, 2, self._multi_device)
             state, func_state = self._first_burnin(params, state, key, data_iterator, batch, func_state)
         if batch is None:
-            batch = next(data_iterator)  # type: ignore[arg-type]
+            try:
+                batch = next(data_iterator)  # type: ignore[arg-type]
+            except StopIteration:
+                raise ValueError("`data_iterator` is exhausted: step needs one batch from it.") from None
         self._check_batch(batch)
         params, state, func_state, stats = self._jit_step(params, state, rng, batch, func_state, lr, mom, damp)
         self._report(stats)
@@ -707,8 +728,10 @@ class Optimizer:
             (state.step_counter[0] if self._multi_device else state.step_counter) if needs_counter else 0,
             learning_rate, momentum, damping, global_step_int,
         )
-        if damping is not None:  # checked here where concrete (a traced value passes unchecked)
-            utils.check_damping(damping, "damping", self._config.l2_reg)
+        # Checked here where concrete; a traced value is flagged by the step (`invalid_coefficients`).
+        for value, name in ((learning_rate, "learning_rate"), (momentum, "momentum"), (damping, "damping")):
+            _config.check_concrete_coefficient(value, name, self._config.l2_reg)
+        _config.check_state_spec(self._state_spec, state, self._multi_device)
         return step_int
 
     def _first_burnin(self, params: Any, state: Any, key: jax.Array, data_iterator: Any, batch: Any, func_state: Any) -> tuple[Any, Any]:

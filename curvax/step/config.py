@@ -107,6 +107,12 @@ def _check_ranges(args: Mapping[str, Any]) -> None:
         utils.check_damping(args["initial_damping"], "initial_damping", float(l2_reg))
     if args["use_adaptive_damping"]:  # adaptation multiplies the damping: it could never leave 0
         utils.check_damping(args["min_damping"], "min_damping", float(l2_reg))
+    lo, hi = float(args["min_damping"]), float(args["max_damping"])
+    if math.isnan(lo) or math.isnan(hi) or hi < lo:
+        raise ValueError(
+            f"`max_damping` ({args['max_damping']!r}) must not be below `min_damping` ({args['min_damping']!r}): "
+            "adaptive damping is clipped to [min_damping, max_damping]."
+        )
     if not float(args["damping_lower_threshold"]) <= float(args["damping_upper_threshold"]):
         raise ValueError("`damping_lower_threshold` must not exceed `damping_upper_threshold`.")
     estimators.check_estimation_mode(args["estimation_mode"])
@@ -313,3 +319,96 @@ def check_step_call(
         )
     if has_state and func_state is None:
         raise ValueError("value_func_has_state=True: pass `func_state` to step.")
+
+
+def check_concrete_coefficient(value: Any, name: str, l2_reg: float) -> None:
+    """A learning rate, momentum or damping known on the host (a step argument, or a schedule's
+    value at step 0) must be finite; a damping also >= 0 (``utils.check_damping``). Traced
+    values pass here; the compiled step flags them (``invalid_coefficients``)."""
+    if value is None:
+        return
+    if name.startswith("damping"):
+        utils.check_damping(value, name, l2_reg)
+        return
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    if arr.size and not np.all(np.isfinite(arr)):
+        raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
+
+
+def check_schedules(cfg: StepConfig) -> None:
+    """Each schedule's value at step 0, where it can be computed on the host, passes
+    ``check_concrete_coefficient`` (``ValueError`` naming the schedule otherwise). A schedule
+    that only goes out of range later is reported by the step (``invalid_coefficients``)."""
+    for name, schedule in (
+        ("learning_rate_schedule", cfg.lr_schedule), ("momentum_schedule", cfg.momentum_schedule),
+        ("damping_schedule", cfg.damping_schedule),
+    ):
+        if schedule is None:
+            continue
+        try:
+            value = schedule(jnp.zeros([], jnp.int32))
+        except Exception:  # noqa: BLE001 - the step calls it again and shows its own error
+            continue
+        try:
+            check_concrete_coefficient(value, "damping" if name.startswith("damping") else name, cfg.l2_reg)
+        except ValueError as e:
+            raise ValueError(f"`{name}` returned {value!r} at step 0: {e}") from None
+
+
+def invalid_coefficients(cfg: StepConfig, lr: jax.Array, mom: jax.Array, damp: jax.Array) -> dict[str, jax.Array]:
+    """In the compiled step: which of the given or scheduled coefficients are out of range
+    (learning rate or momentum not finite, damping not finite or negative). Adaptive ones are
+    the quadratic model's and are covered by the non-finite guard."""
+    flags = {}
+    if not cfg.adaptive_lr:
+        flags["learning_rate"] = ~jnp.isfinite(lr)
+    if not cfg.adaptive_momentum:
+        flags["momentum"] = ~jnp.isfinite(mom)
+    flags["damping"] = ~jnp.isfinite(damp) | (damp < 0)
+    return flags
+
+
+def check_finite_params(params: Any) -> None:
+    """``params`` given to ``init`` hold no NaN or infinity (``ValueError`` naming the leaf):
+    every update from such parameters would be skipped. Traced parameters pass unchecked."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        try:
+            arr = np.asarray(leaf)
+        except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            return
+        if np.issubdtype(arr.dtype, np.inexact) and not np.all(np.isfinite(arr)):
+            bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+            raise ValueError(
+                f"`params` given to init hold {bad} non-finite value(s) in {jax.tree_util.keystr(path) or 'the root'}: "
+                "every update from them would be skipped."
+            )
+
+
+def state_spec(state: Any) -> tuple[Any, tuple[tuple[int, ...], ...]]:
+    """The structure and shapes of an ``OptimizerState``: what a state from another model breaks."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    return treedef, tuple(tuple(np.shape(x)) for x in leaves)
+
+
+def check_state_spec(expected: Any, state: Any, multi_device: bool) -> None:
+    """``state`` has the structure and shapes of the state ``init`` returned (``ValueError``
+    naming ``state`` and the first leaf that differs, e.g. a state of another model)."""
+    if expected is None:
+        return
+    treedef, shapes = state_spec(state)
+    if treedef != expected[0]:
+        raise ValueError(
+            "`state` does not have the structure of the state init returned (another model or optimizer "
+            f"configuration?):\ninit: {expected[0]}\nstep: {treedef}"
+        )
+    if shapes != expected[1]:
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+        for path, got, want in zip(paths, shapes, expected[1]):
+            if got != want:
+                raise ValueError(
+                    f"`state` leaf state{path} has shape {got}, but init made it {want}: the state comes from "
+                    "another model or optimizer configuration."
+                )

@@ -77,14 +77,17 @@ class Reporter:
     ``REPORT_BACKLOG`` steps later, when the oldest is waited for).
     """
 
-    KEYS = ("step", "loss", "update_skipped", "curvature_update_skipped", "loss_diverged")
+    KEYS = (
+        "step", "loss", "update_skipped", "curvature_update_skipped", "loss_diverged", "learning_rate_invalid",
+        "momentum_invalid", "damping_invalid",
+    )
 
     def __init__(self) -> None:
         self._pending: collections.deque = collections.deque()
 
     def __call__(self, stats: Mapping[str, Any]) -> None:
         """Queues ``stats`` (a step's stats dict) and logs every queued step whose flags are ready."""
-        entry = tuple(stats[k] for k in self.KEYS)
+        entry = tuple(stats.get(k, False) for k in self.KEYS)
         if any(isinstance(a, jax.core.Tracer) for a in entry):
             return  # ``step`` traced inside the user's own jit: there is nothing to read on the host
         self._pending.append(entry)
@@ -98,11 +101,19 @@ class Reporter:
             self._log(*(np.asarray(a).reshape(-1)[0] for a in entry))
 
     @staticmethod
-    def _log(step: Any, loss: Any, skipped: Any, curv_skipped: Any, diverged: Any) -> None:
+    def _log(
+        step: Any, loss: Any, skipped: Any, curv_skipped: Any, diverged: Any, bad_lr: Any = False, bad_mom: Any = False,
+        bad_damp: Any = False,
+    ) -> None:
+        invalid = [name for flag, name in ((bad_lr, "learning_rate"), (bad_mom, "momentum"), (bad_damp, "damping")) if flag]
+        why = (
+            f"{', '.join(invalid)} out of range (not finite{', or negative damping' if bad_damp else ''})"
+            if invalid else "non-finite loss, gradient or update"
+        )
         what = [
             text for flag, text in (
-                (skipped, "update skipped (non-finite loss, gradient or update; parameters unchanged)"),
-                (curv_skipped, "curvature statistics update skipped (non-finite; previous statistics kept)"),
+                (skipped, f"update skipped ({why}; parameters unchanged)"),
+                (curv_skipped, "curvature statistics update skipped (non-finite or invalid batch; previous statistics kept)"),
                 (diverged, f"loss diverging (more than {DIVERGENCE_FACTOR:g}x the first loss)"),
             ) if flag
         ]

@@ -19,7 +19,7 @@ import numpy as np
 
 from curvax import gradients, parallel, utils
 from curvax.step import coefficients, damping, forward, guard, precondition, refresh, statistics, stats
-from curvax.step.config import StepConfig
+from curvax.step.config import StepConfig, invalid_coefficients
 from curvax.step.state import OptimizerState, initial_state
 from curvax.step.value_function import ValueFunction
 
@@ -169,6 +169,10 @@ class StepProgram:
             self.estimator, state.estimator_state, 1.0, 1.0, self.batch_size_extractor(sub_batch), k1, func_args,
             self.axis, self.cfg.estimation_mode,
         )
+        # A batch whose loss is not finite (a NaN example, out-of-range labels whose statistics
+        # may still be finite) is invalid: its statistics are dropped too.
+        loss = self.func.split_outputs(self.func.value(*func_args))[0]
+        est, skipped = statistics.keep_if(statistics.loss_is_finite(loss, self.axis), state.estimator_state, est, skipped)
         state = dataclasses.replace(
             state, estimator_state=est, curvature_updates_skipped=state.curvature_updates_skipped + skipped
         )
@@ -210,14 +214,21 @@ class StepProgram:
 
     def update_curvature(
         self, est_state: Any, step: jax.Array, view: Callable[[], forward.CurvatureView], key: jax.Array,
-        identity_weight: Any,
+        identity_weight: Any, valid: jax.Array,
     ) -> tuple[Any, jax.Array]:
         """Phases 2-3: the statistics update (every ``curvature_update_period`` steps), then the
-        inverse refresh due at ``step``; returns ``(state, curvature_update_skipped)``."""
+        inverse refresh due at ``step``; returns ``(state, curvature_update_skipped)``.
+
+        ``valid`` False (the step's loss is not finite: a NaN example, out-of-range labels whose
+        statistics may still be finite) drops the statistics update as non-finite ones are."""
         cfg = self.cfg
-        update = lambda s: statistics.update_from_view(
-            self.estimator, s, view(), key, cfg.estimation_mode, cfg.curvature_ema, self.axis
-        )
+
+        def update(s: Any) -> tuple[Any, jax.Array]:
+            new, skipped = statistics.update_from_view(
+                self.estimator, s, view(), key, cfg.estimation_mode, cfg.curvature_ema, self.axis
+            )
+            return statistics.keep_if(valid, s, new, skipped)
+
         est_state, skipped = statistics.periodic(step, cfg.curvature_update_period, update, est_state)
         exact, approx = self.cache_powers()
         est_state = refresh.refresh(
@@ -247,7 +258,9 @@ class StepProgram:
         identity_weight = damping.identity_weight(cfg, damp, step)
         g = self.gradient(func_args, pj)
         view = self.curvature_view(g.lin, batch, batch_size, make_args, k_est, size_of)
-        est_state, curvature_skipped = self.update_curvature(state.estimator_state, step, view, k_est, identity_weight)
+        est_state, curvature_skipped = self.update_curvature(
+            state.estimator_state, step, view, k_est, identity_weight, jnp.isfinite(g.loss)
+        )
         # Phase 4: the preconditioned gradient, in the parameters' dtypes.
         precon = precondition.precondition(
             self.estimator, est_state, g.grads, identity_weight, cfg.use_exact_inverses, cfg.inverse_update_period != 1,
@@ -272,7 +285,10 @@ class StepProgram:
             lambda: coefficients.approx_quad_model(self.estimator, est_state, vectors, g.grads), damping_due,
         )
         # The guard: an update is applied only if the loss, gradient and coefficients are finite.
-        finite = guard.update_is_finite(precon, g.grads, coeffs, g.loss)
+        # A given or scheduled coefficient out of range (traced, so not checked on the host) skips
+        # the update as well, and is named in the stats and the log.
+        invalid = invalid_coefficients(cfg, lr, mom, damp)
+        finite = guard.update_is_finite(precon, g.grads, coeffs, g.loss) & ~jnp.any(jnp.stack(list(invalid.values())))
         coeffs, delta = guard.guarded_update(finite, coeffs, precon, state.velocities)
         new_params = utils.tree_add(params, delta)
         if self.state_shardings is not None:  # several devices: the parameters keep their shardings
@@ -304,6 +320,8 @@ class StepProgram:
             quad_change, jnp.logical_not(finite), new_state.updates_skipped, curvature_skipped,
             new_state.curvature_updates_skipped, diverged,
         ))
+        for name in ("learning_rate", "momentum", "damping"):
+            out[f"{name}_invalid"] = invalid.get(name, jnp.asarray(False))
         self._extra_stats(out, scaled_sq, g.aux, params, g.grads, precon, delta)
         return new_params, new_state, g.func_state if self.func.has_state else func_state, out
 

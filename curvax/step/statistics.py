@@ -66,3 +66,18 @@ def periodic(step: jax.Array, period: int, update: Callable[[Any], tuple[Any, ja
     if period == 1:
         return update(state)
     return jax.lax.cond(step % period == 0, update, lambda s: (s, jnp.asarray(False)), state)
+
+
+def loss_is_finite(loss: jax.Array, axis: str | None) -> jax.Array:
+    """Whether the batch's loss is finite on every pmap device (one scalar, the same everywhere)."""
+    finite = jnp.isfinite(loss)
+    if axis is not None:
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis) > 0
+    return finite
+
+
+def keep_if(valid: jax.Array, old: Any, new: Any, skipped: jax.Array) -> tuple[Any, jax.Array]:
+    """``(new, skipped)`` when ``valid``, else ``(old, True)``: an invalid batch's statistics are
+    dropped whole, like non-finite ones."""
+    state = jax.tree_util.tree_map(lambda a, b: jnp.where(valid, a, b), new, old)
+    return state, skipped | ~valid
