@@ -14,8 +14,8 @@ the package:
   curvax module under another name.
 * When ``kfac_jax`` is first imported, kfac-jax's import-time JAX settings are applied
   (:data:`KFAC_JAX_CONFIG`): kfac-jax 0.0.8's ``_src/optimizer.py`` sets
-  ``jax_pmap_shmap_merge`` to False where the JAX in use has that option (JAX 0.8-0.9; newer
-  JAX has no such option, and then nothing is set, as kfac-jax would do).
+  ``jax_pmap_shmap_merge`` to False where the JAX in use has that option (JAX 0.9.0 has it; 0.10.2
+  has no such option, and then nothing is set, as kfac-jax would do).
 
 Three ways to turn it on, from the most to the least explicit:
 

@@ -76,8 +76,8 @@ def _source_comment(name: str, obj: Any) -> str:
             while i >= 0 and lines[i].startswith("#"):
                 comment.insert(0, lines[i].lstrip("#").strip())
                 i -= 1
-            if comment:
-                return " ".join(comment)
+            if comment:  # the comment's `name` spans are code, as in docstrings
+                return re.sub(r"(?<!`)`([^`]+)`(?!`)", r"``\1``", " ".join(comment))
     return ""
 
 
@@ -117,8 +117,7 @@ def _module_members(mod: types.ModuleType) -> list[tuple[str, Any]]:
 
 def _module_page(attr: str, mod: types.ModuleType, documented: dict[int, str]) -> str:
     """A submodule's page: each member documented here once, or linked to the page that has it."""
-    title = f"`curvax.{attr}`" + (f": {_first_line(mod.__doc__)}" if mod.__doc__ else "")
-    body = [f"# {title}\n", f"```{{eval-rst}}\n.. automodule:: {mod.__name__}\n   :no-index:\n```\n"]
+    body = [f"# `curvax.{attr}`\n", f"```{{eval-rst}}\n.. automodule:: {mod.__name__}\n   :no-index:\n```\n"]
     linked, sub_sections = [], []
     for name, obj in sorted(_module_members(mod), key=lambda t: t[0].lower()):
         if isinstance(obj, types.ModuleType):
