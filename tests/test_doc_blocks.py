@@ -1,6 +1,6 @@
 """Every Python code block in README.md and docs/ runs as printed, page by page.
 
-Conventions (also in ``docs/contributing_docs.md``):
+Conventions (also on the docs page ``docs/contributing_docs.md``):
 
 * Every fenced block whose language is ``python`` (or ``py``, ``python3``, a ``{code-block}`` or
   ``{code-cell}`` directive with ``python``) is collected. A page's blocks run in order, in one
