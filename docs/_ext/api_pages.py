@@ -49,14 +49,19 @@ def _directive(name: str, obj: Any) -> str:
     # must run inside ``eval-rst``, or that output is read as Markdown and shows up as raw text.
     if inspect.isclass(obj):
         return f"```{{eval-rst}}\n.. autoclass:: curvax.{name}\n   :members:\n```\n"
-    if callable(obj):
+    if _is_function(obj):
         return f"```{{eval-rst}}\n.. autofunction:: curvax.{name}\n```\n"
     return _data_directive(f"curvax.{name}", obj, name)
 
 
+def _is_function(obj: Any) -> bool:
+    """Functions (also wrapped or built-in ones); a typing alias or a namespace is data."""
+    return inspect.isroutine(obj) or (callable(obj) and hasattr(obj, "__wrapped__")) or type(obj).__name__ == "PjitFunction"
+
+
 def _source_comment(name: str, obj: Any) -> str:
-    """The comment block above ``name = ...`` in the curvax module that assigns it (skipping the
-    assignments right above it that share that comment)."""
+    """The docstring right after ``name = ...`` or the comment block above it (skipping the
+    assignments right above it that share that comment), in the curvax module that assigns it."""
     for mod_name, mod in sorted(sys.modules.items()):
         if not mod_name.startswith("curvax") or getattr(mod, name, _MISSING) is not obj:
             continue
@@ -65,10 +70,17 @@ def _source_comment(name: str, obj: Any) -> str:
         except (OSError, TypeError):
             continue
         lines = source.splitlines()
-        for node in ast.parse(source).body:
+        body = ast.parse(source).body
+        for k, node in enumerate(body):
             targets = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                targets = [node.target.id]
             if name not in targets:
                 continue
+            after = body[k + 1] if k + 1 < len(body) else None
+            if isinstance(after, ast.Expr) and isinstance(getattr(after, "value", None), ast.Constant) \
+                    and isinstance(after.value.value, str):
+                return " ".join(inspect.cleandoc(after.value.value).split())
             i = node.lineno - 2
             while i >= 0 and re.match(r"^[A-Za-z_][A-Za-z0-9_]* = ", lines[i]):
                 i -= 1
@@ -99,7 +111,10 @@ def _defining_module(name: str, obj: Any) -> str | None:
 
 def _data_directive(target: str, obj: Any, name: str, no_index: bool = False) -> str:
     """``py:data`` with the value and the source comment (autodata would show the type's docstring)."""
-    text = _source_comment(name, obj) or "A module-level constant."
+    text = _source_comment(name, obj)
+    if not text and (type(obj).__module__ or "").startswith("curvax"):
+        text = f"A ``{type(obj).__name__}``: {_first_line(inspect.getdoc(type(obj)))}."
+    text = text or "A module-level constant."
     value = repr(obj) if len(repr(obj)) < 200 else type(obj).__name__
     opts = "   :no-index:\n" if no_index else ""
     return f"```{{eval-rst}}\n.. py:data:: {target}\n   :value: {value}\n{opts}\n   {text}\n```\n"
@@ -117,7 +132,7 @@ def _module_members(mod: types.ModuleType) -> list[tuple[str, Any]]:
 
 def _module_page(attr: str, mod: types.ModuleType, documented: dict[int, str]) -> str:
     """A submodule's page: each member documented here once, or linked to the page that has it."""
-    body = [f"# `curvax.{attr}`\n", f"```{{eval-rst}}\n.. automodule:: {mod.__name__}\n   :no-index:\n```\n"]
+    body = [f"# `curvax.{attr}`\n", f"```{{eval-rst}}\n.. automodule:: {mod.__name__}\n   :no-index:\n   :no-members:\n```\n"]
     linked, sub_sections = [], []
     for name, obj in sorted(_module_members(mod), key=lambda t: t[0].lower()):
         if isinstance(obj, types.ModuleType):
@@ -125,13 +140,13 @@ def _module_page(attr: str, mod: types.ModuleType, documented: dict[int, str]) -
             continue
         target = f"curvax.{attr}.{name}"
         if id(obj) in documented:
-            summary = _first_line(inspect.getdoc(obj)) if (inspect.isclass(obj) or callable(obj)) else ""
+            summary = _first_line(inspect.getdoc(obj)) if (inspect.isclass(obj) or _is_function(obj)) else ""
             linked.append(f"- `{name}`: {{py:obj}}`{documented[id(obj)]}`" + (f" — {summary}" if summary else ""))
             continue
         documented[id(obj)] = target
         if inspect.isclass(obj):
             body.append(f"```{{eval-rst}}\n.. autoclass:: {target}\n   :members:\n```\n")
-        elif callable(obj):
+        elif _is_function(obj):
             body.append(f"```{{eval-rst}}\n.. autofunction:: {target}\n```\n")
         else:
             body.append(_data_directive(target, obj, name))
@@ -159,7 +174,7 @@ def generate(app: Any = None) -> list[str]:
     for name, obj in public_names().items():
         if isinstance(obj, types.ModuleType):
             continue
-        home = getattr(obj, "__module__", None) if (inspect.isclass(obj) or callable(obj)) else _defining_module(name, obj)
+        home = getattr(obj, "__module__", None) if (inspect.isclass(obj) or _is_function(obj)) else _defining_module(name, obj)
         by_module[home or "curvax"].append((name, obj))
     pages = []
     documented = {id(o): f"curvax.{n}" for n, o in public_names().items() if not isinstance(o, types.ModuleType)}
@@ -195,18 +210,26 @@ def generate(app: Any = None) -> list[str]:
 
 
 def keep_property_sentences(app: Any, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
-    """Undoes napoleon's reading of ``Sentence: more`` as ``type: description`` in a property's
-    (or attribute's) docstring: the first line's text before the colon is kept as text when it is
-    not a single type expression (it has a space outside brackets)."""
+    """Undoes napoleon's reading of ``Sentence: more`` as ``type: description`` in a property's,
+    attribute's or constant's docstring: a ``:type:`` napoleon made from text with a space outside
+    brackets (not a type expression) goes back in front of the description."""
     if what not in ("property", "attribute", "data"):
         return
-    doc = inspect.getdoc(obj.fget if isinstance(obj, property) else obj) if obj is not None else None
-    if not doc or not any(line.startswith(":type: ") for line in lines):
+    for k, line in enumerate(lines):
+        if not line.startswith(":type: "):
+            continue
+        head = line[len(":type: "):]
+        if not re.search(r"\s", re.sub(r"\[.*?\]|`.*?`", "", head).strip()):
+            return  # a real type
+        del lines[k]
+        if k > 0 and not lines[k - 1].strip():
+            del lines[k - 1]
+        first = next((j for j, text in enumerate(lines) if text.strip()), None)
+        if first is None:
+            lines.insert(0, head)
+        else:
+            lines[first] = f"{head}: {lines[first].lstrip()}"
         return
-    head = doc.splitlines()[0]
-    before = re.split(r"(?<!:):(?!:)", re.sub(r"``.*?``|`.*?`", "", head), maxsplit=1)[0]
-    if re.search(r"\s", re.sub(r"\[.*?\]", "", before.strip())):
-        lines[:] = doc.splitlines()
 
 
 def remove_generated(app: Any, exception: Exception | None) -> None:
