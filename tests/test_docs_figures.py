@@ -1,6 +1,6 @@
 """Figures quoted in README.md and docs/ come from a current result file (issue 22).
 
-The convention (also stated in ``docs/benchmarks.md``):
+The convention (also on the docs page ``docs/contributing_docs.md``):
 
 * A paragraph that names a result file (``results/NAME.json``, ``benchmarks/results/NAME.json``
   or ``examples/results/NAME.json``; a bare ``NAME.json`` once a folder was named on the page)
