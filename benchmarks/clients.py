@@ -3,10 +3,22 @@
 The clients are FermiNet (google-deepmind/ferminet) and DeepQMC (PyPI ``deepqmc``), the two
 quantum Monte Carlo codes that use kfac-jax most. Neither is modified: each child process runs
 the client's own training entry point (``ferminet.train.train``; ``deepqmc.train.train`` from
-its Hydra config). In the curvax run a one-line module ``kfac_jax.py`` on ``PYTHONPATH``
-(``import sys, curvax; sys.modules["kfac_jax"] = curvax``) makes every ``import kfac_jax``
+its Hydra config). In the curvax run (results in ``benchmarks/results/clients.json``, recorded
+before the switch existed) a one-line module ``kfac_jax.py`` on ``PYTHONPATH``
+(``import sys, curvax; sys.modules["kfac_jax"] = curvax``) made every ``import kfac_jax``
 of the client load curvax; in the kfac-jax run the released kfac-jax is imported. Same
 environment, same seed, same configuration, one CPU device (the clients pmap over it).
+
+That shim covers ``import kfac_jax`` only: ``import kfac_jax.curvature_blocks`` (or
+``.loss_functions``, ``.tag_graph_matcher``, ``.tracer``) raises ``ModuleNotFoundError`` with it,
+and it does not apply kfac-jax's import-time JAX setting. To run a package of your own the
+supported way is the switch, ``curvax.install_as_kfac_jax()`` (``curvax/kfac_api/switch.py``):
+every ``kfac_jax`` module name, submodules included, resolves to curvax's module, and
+``jax_pmap_shmap_merge`` is set as kfac-jax sets it. Without editing anything:
+``python -m curvax.kfac_api.switch -m ferminet.main ...`` or the ``.pth`` hook
+(``python -m curvax.kfac_api.switch --write-pth``, then ``CURVAX_AS_KFAC_JAX=1``); see the docs'
+"Migrating from kfac-jax" page. ``tests/test_kfac_jax_switch.py`` runs a package-shaped fixture
+with all three.
 
 What the runner adds, in the child process only (no file of a client is touched):
 

@@ -102,6 +102,8 @@ from curvax.transforms import (
 
 __version__ = "0.1.0"
 
+def install_as_kfac_jax() -> None: "Makes every ``import kfac_jax...`` (submodules too) resolve to curvax: ``curvax.kfac_api.switch``."; __import__("curvax.kfac_api.switch").kfac_api.switch.install_as_kfac_jax()  # noqa: E302,E501,E702,E704
+
 tag_graph_matcher = patterns  # kfac-jax's module name for the pattern API
 
 # kfac-jax v0.0.8 module names (``kfac_jax.tracer``, ``kfac_jax.loss_functions`` ...):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
 
 import jax
@@ -172,4 +173,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "--json" in sys.argv[1:]:  # --json PATH: also write what the run printed (examples/_record.py)
+        from _record import run_recorded
+
+        i = sys.argv.index("--json")
+        raise SystemExit(run_recorded(main, sys.argv[1:i] + sys.argv[i + 2:], sys.argv[i + 1], "examples/influence.py"))
     raise SystemExit(main())

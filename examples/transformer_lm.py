@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adam-lr", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=25, help="steps between held-out evaluations")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the results (and the machine's load) to this file")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.batch_size, args.context, args.width, args.heads, args.layers = 10, 16, 32, 32, 2, 1
@@ -202,7 +203,34 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RESULT kfac_first={rows[0][1][0]:.4f} kfac_last={np.mean(rows[0][1][-5:]):.4f} "
           f"kfac_held_out={rows[0][2][-1][1]:.4f} kfac_best_held_out={best[0]:.4f} "
           f"adam_held_out={rows[1][2][-1][1]:.4f} adam_best_held_out={best[1]:.4f} finite_and_decreasing={ok}")
+    if args.json:
+        write_json(args, rows, n_params, len(chars), len(train_ids))
     return 0 if ok else 1
+
+
+def write_json(args, rows, n_params: int, vocabulary: int, train_chars: int) -> None:
+    """The run's settings, per-optimizer results and the machine (its load average included)."""
+    import json
+    import os
+    import platform
+
+    out = {"script": "examples/transformer_lm.py", "date": time.strftime("%Y-%m-%d"),
+           "settings": {k: v for k, v in vars(args).items() if k != "json"},
+           "machine": {"jax": jax.__version__, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+                       "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
+           "parameters": n_params, "vocabulary": vocabulary, "training_characters": train_chars, "runs": {}}
+    for name, losses, held_out, times in rows:
+        best_step, best = min(held_out, key=lambda sl: sl[1])
+        out["runs"][name] = {
+            "steps": len(losses), "first_loss": round(losses[0], 4), "last_loss": round(float(np.mean(losses[-5:])), 4),
+            "final_held_out": round(held_out[-1][1], 4), "best_held_out": round(best, 4), "best_held_out_step": best_step,
+            "best_bits_per_char": round(best / math.log(2), 3), "first_step_s": round(times[0], 1),
+            "median_step_ms": round(1000 * float(np.median(times[1:])), 1),
+            "mean_step_after_first_s": round(float(np.mean(times[1:])), 2), "total_s": round(sum(times), 1),
+            "held_out": [[s, round(v, 4)] for s, v in held_out],
+        }
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -50,10 +50,23 @@ def test_public_methods_of_exported_classes_have_docstrings():
     assert not missing, f"public methods without a docstring: {sorted(missing)}"
 
 
+def _text(path: Path) -> str:
+    """An HTML page's text, tags removed, whitespace collapsed."""
+    import html
+    import re
+
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", path.read_text())))
+
+
+def _docs_tree() -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*") if "__pycache__" not in p.parts)
+
+
 def test_docs_build_without_warnings(tmp_path):
     pytest.importorskip("sphinx")
     pytest.importorskip("myst_parser")
     pytest.importorskip("furo")
+    before = _docs_tree()
     out = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", str(ROOT / "docs"), str(tmp_path / "html")],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
@@ -66,3 +79,22 @@ def test_docs_build_without_warnings(tmp_path):
     # autodoc's reStructuredText is rendered, not shown as raw text (napoleon's Args become fields).
     assert ".. py:method::" not in api and ":param value_and_grad_func:" not in api
     assert "Parameters" in api and 'id="curvax.Optimizer.step"' in api
+    # The build leaves the source tree as it was (the generated pages live only during the build).
+    assert _docs_tree() == before and not (ROOT / "docs" / "_generated").exists()
+    pages = tmp_path / "html" / "_generated" / "api"
+    # A property whose docstring reads "Sentence: more" keeps it as text, not as a "Type:" field.
+    optimizer_page = _text(pages / "curvax_optimizer.html")
+    assert "damping_decay_factor : float ¶ Factor applied to the damping per adaptive-damping update:" in optimizer_page
+    assert "Type: Factor applied" not in optimizer_page
+    # Constants are described by their source comment, not by str's docstring.
+    assert "HAIKU_BIASES = 'b,bias'" in optimizer_page and "example values of regularized_parameters_path_exclusions" in optimizer_page
+    assert "str(object='')" not in optimizer_page
+    # kfac-jax's namespace modules list their members (re-exported objects included).
+    blocks_page = _text(pages / "module_curvature_blocks.html")
+    assert "DenseTwoKroneckerFactored" in blocks_page and "set_max_parallel_elements" in blocks_page
+    assert "BlockDiagonalCurvature" in _text(pages / "module_curvature_estimator.html")
+    layers_page = _text(pages / "module_layers.html")
+    assert "register_conv2d" in layers_page and "register_embedding" in layers_page
+    for page in pages.glob("module_*.html"):
+        body = _text(page)
+        assert len(body) > 1500 or "The same module as" in body, f"{page.name} lists no members"

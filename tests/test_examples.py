@@ -8,6 +8,7 @@ the transformer's K-FAC steps take the longest to compile) are marked slow.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,12 +18,13 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name: str) -> dict[str, str]:
+def run_example(name: str, *flags: str) -> dict[str, str]:
     """Runs ``examples/<name> --quick``; checks exit code 0 and returns its RESULT line's fields."""
     pytest.importorskip("flax")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), "--quick"], capture_output=True, text=True, timeout=600,
-        cwd=EXAMPLES.parent,
+        [sys.executable, str(EXAMPLES / name), "--quick", *flags], capture_output=True, text=True, timeout=600,
+        cwd=EXAMPLES.parent, env=env,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
@@ -54,11 +56,33 @@ def test_transformer_lm():
     assert float(r["kfac_held_out"]) < math.log(66)
 
 
-def test_vmc_hydrogen():
-    r = run_example("vmc_hydrogen.py")
-    assert r["within_20mHa"] == "True"
+@pytest.fixture(scope="module")
+def vmc_one_device() -> dict[str, str]:
+    return run_example("vmc_hydrogen.py")
+
+
+def test_vmc_hydrogen(vmc_one_device):
+    r = vmc_one_device
+    assert r["within_20mHa"] == "True" and r["devices"] == "1"
     assert abs(float(r["kfac_energy"]) + 0.5) < 0.02  # the exact ground-state energy is -1/2 Ha
     assert float(r["kfac_first"]) > float(r["kfac_energy"])  # the energy went down
+
+
+def test_vmc_hydrogen_sharded_over_two_devices_is_the_one_device_run(vmc_one_device):
+    # jax.sharding: the walkers are one global array split over 2 CPU devices; the same program,
+    # the same random numbers, so the same energies as on one device.
+    r = run_example("vmc_hydrogen.py", "--devices", "2")
+    assert r["devices"] == "2" and r["mode"] == "sharding" and r["within_20mHa"] == "True"
+    for k in ("kfac_first", "kfac_energy", "adam_energy"):
+        assert abs(float(r[k]) - float(vmc_one_device[k])) < 2e-4, (k, r, vmc_one_device)
+
+
+def test_vmc_hydrogen_pmap_mode_on_two_devices():
+    # kfac-jax's pmap mode with a lax.pmean in the custom_jvp rule (FermiNet's layout); each
+    # device samples its own walkers, so the run differs from one device but converges alike.
+    r = run_example("vmc_hydrogen.py", "--devices", "2", "--pmap")
+    assert r["devices"] == "2" and r["mode"] == "pmap" and r["within_20mHa"] == "True"
+    assert abs(float(r["kfac_energy"]) + 0.5) < 0.02 and float(r["kfac_first"]) > float(r["kfac_energy"])
 
 
 def test_laplace_calibration():

@@ -1,0 +1,3 @@
+from kfac_client.train import main
+
+main()
