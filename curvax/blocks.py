@@ -1172,7 +1172,7 @@ class _FactorPairBlock(CurvatureBlock, abc.ABC):
     What ``TwoKroneckerFactored`` and the embedding block (``A`` diagonal) share:
     how a batch's factors enter the state, which products the cache serves (exact
     powers other than 1 and the approximate inverse), the cached eigenvalues and
-    the factors scaled for the cache. Subclasses define ``_factors(state)``.
+    the factors scaled for the cache. Subclasses define ``_factors`` and ``_factor_eigenvalues``.
     """
 
     @abc.abstractmethod
