@@ -54,6 +54,48 @@ def check_damping(value: Any, name: str = "damping") -> Any:
     return float(value) if isinstance(value, numbers.Real) else jnp.asarray(value)
 
 
+def floored_damping(damping: Any, min_damping: Any) -> Any:
+    """The damping ``inverse`` applies: ``max(damping, min_damping)`` (both checked >= 0).
+
+    ``min_damping`` is a floor, the same rule as the K-FAC operator's exact inverse (and, per
+    factor, its ``exact=False`` inverse): ``inverse(d, min_damping=m)`` is ``(K + max(d, m) I)^-1``.
+    Python floats stay Python floats (a static zero stays static).
+    """
+    d = check_damping(damping)
+    m = check_damping(min_damping, "min_damping")
+    if isinstance(d, float) and isinstance(m, float):
+        return max(d, m)
+    if is_static_zero(m):
+        return d
+    return jnp.maximum(d, m)
+
+
+def rank_tolerance(eigenvalues: Array, size: int) -> Array:
+    """The threshold below which an eigenvalue of a decomposed PSD matrix counts as zero.
+
+    ``size * eps * max(eigenvalues)`` with ``eps`` the dtype's machine epsilon and ``size`` the
+    decomposed matrix's order: ``numpy.linalg.matrix_rank``'s default, the size of the round-off
+    an eigendecomposition leaves on a zero eigenvalue.
+    """
+    eps = jnp.finfo(eigenvalues.dtype).eps
+    return size * eps * jnp.max(jnp.abs(eigenvalues), initial=0.0)
+
+
+def clamp_null(eigenvalues: Array, size: int | None = None) -> Array:
+    """PSD eigenvalues with those at or below ``rank_tolerance`` (and negative round-off) set to exactly 0."""
+    size = eigenvalues.size if size is None else size
+    return jnp.where(eigenvalues <= rank_tolerance(eigenvalues, size), 0.0, eigenvalues).astype(eigenvalues.dtype)
+
+
+def check_top_k(k: Any, dim: int, name: str = "k") -> int:
+    """An integer ``1 <= k <= dim``."""
+    if isinstance(k, bool) or not isinstance(k, (numbers.Integral, np.integer)):
+        raise TypeError(f"`{name}` must be an integer in [1, {dim}], got {k!r}.")
+    if not 1 <= int(k) <= dim:
+        raise ValueError(f"`{name}` must be in [1, {dim}] (the operator's dim), got {int(k)}.")
+    return int(k)
+
+
 def is_static_zero(x: Any) -> bool:
     """Whether ``x`` is known now to be exactly zero."""
     return is_concrete(x) and float(x) == 0.0
@@ -275,10 +317,19 @@ class CurvatureOperator:
         return self._dense_eigenvalues("eigenvalues")
 
     def logdet(self, damping: Any = 0.0) -> Array:
-        """``log det(K + damping I)`` (``-inf`` when singular, ``nan`` when the determinant is negative)."""
+        """``log det(K + damping I)`` (``-inf`` when singular, ``nan`` when the determinant is negative).
+
+        Symmetric PSD operators: from the eigenvalues of the dense ``K + damping I``, ``-inf``
+        when the smallest is at most ``dim * eps * largest`` (``rank_tolerance``: numerically
+        singular). Others: ``slogdet``.
+        """
         d = check_damping(damping)
         m = self._dense_for("logdet")
-        sign, value = jnp.linalg.slogdet(m + d * jnp.eye(self.dim, dtype=m.dtype))
+        m = m + d * jnp.eye(self.dim, dtype=m.dtype)
+        if self.is_symmetric and self.is_psd:
+            ev = jnp.linalg.eigvalsh((m + m.T) / 2)
+            return jnp.where(ev[0] <= rank_tolerance(ev, self.dim), -jnp.inf, jnp.sum(jnp.log(jnp.abs(ev))))
+        sign, value = jnp.linalg.slogdet(m)
         return jnp.where(sign > 0, value, jnp.where(sign == 0, -jnp.inf, jnp.nan))
 
     def det(self, damping: Any = 0.0) -> Array:
@@ -288,11 +339,12 @@ class CurvatureOperator:
         return jnp.linalg.det(m + d * jnp.eye(self.dim, dtype=m.dtype))
 
     def inverse(self, damping: Any = 0.0, exact: bool = True, min_damping: Any = 0.0) -> "CurvatureOperator":
-        """``(K + damping I)^-1`` as an operator (dense fallback for operators without a closed form)."""
-        if isinstance(damping, tuple):
+        """``(K + max(damping, min_damping) I)^-1`` as an operator (dense fallback for operators
+        without a closed form). ``min_damping`` is a floor on the damping, as for the K-FAC
+        operator; ``exact`` only matters for Kronecker-factored operators."""
+        if isinstance(damping, (tuple, list)):
             raise TypeError(f"Per-factor (tuple) `damping` needs a Kronecker-factored operator, not {type(self).__name__}.")
-        d = check_damping(damping)
-        check_damping(min_damping, "min_damping")
+        d = floored_damping(damping, min_damping)
         m = self._dense_for("inverse")
         m = m + d * jnp.eye(self.dim, dtype=m.dtype)
         if is_concrete(m):
@@ -300,6 +352,20 @@ class CurvatureOperator:
             if s[-1] <= self.dim * np.finfo(s.dtype).eps * max(s[0], np.finfo(s.dtype).tiny):
                 raise ValueError(f"The operator plus `damping`={float(d)} I is singular; pass `damping` > 0.")
         return DenseOperator(jnp.linalg.inv(m), self.space, symmetric=self.is_symmetric, psd=self.is_psd)
+
+    def eigenpairs(self, k: int, key: Any = None, num_iterations: int | None = None) -> tuple[Array, Array]:
+        """The ``k`` largest eigenvalues (descending) and their unit eigenvectors.
+
+        Returns ``(values, vectors)``: ``values`` of shape ``(k,)`` and ``vectors`` of shape
+        ``(dim, k)``, flat columns in the operator's flat order (``K.space.unflatten(vectors[:, i])``
+        is a parameter pytree). Matrix-free operators (exact GGN / Fisher / Hessian, sums ...) use
+        Lanczos with full re-orthogonalisation (``lanczos_eigenpairs``: ``key`` the random start,
+        ``num_iterations`` steps; exact when equal to ``dim``). Block-diagonal, dense, scaled and
+        identity operators override this with exact closed forms (``key``/``num_iterations`` unused).
+        """
+        from curvax.operators.stochastic import lanczos_eigenpairs
+
+        return lanczos_eigenpairs(self, k, key, num_iterations)
 
     def power(self, p: Any) -> "CurvatureOperator":
         """``K^p``: integer ``p >= 1`` as a product; other powers from the dense eigendecomposition."""
@@ -371,6 +437,14 @@ class DenseOperator(CurvatureOperator):
     def _dense_for(self, what: str) -> Array:
         return self.matrix
 
+    def eigenpairs(self, k: int, key: Any = None, num_iterations: int | None = None) -> tuple[Array, Array]:
+        """The ``k`` largest eigenpairs from ``eigh`` of the matrix (symmetric only)."""
+        if not self.symmetric:
+            raise NotImplementedError("DenseOperator.eigenpairs: the matrix is not symmetric.")
+        k = check_top_k(k, self.dim)
+        s, q = jnp.linalg.eigh((self.matrix + self.matrix.T) / 2)
+        return s[::-1][:k], q[:, ::-1][:, :k]
+
     @property
     def T(self) -> "DenseOperator":
         return self if self.symmetric else DenseOperator(self.matrix.T, self.space, False, self.psd)
@@ -404,17 +478,25 @@ class IdentityOperator(CurvatureOperator):
         return jnp.ones(self.dim, self.dtype)
 
     def logdet(self, damping: Any = 0.0) -> Array:
-        return self.dim * jnp.log1p(check_damping(damping).astype(self.dtype))
+        return self.dim * jnp.log1p(jnp.asarray(check_damping(damping), self.dtype))
 
     def det(self, damping: Any = 0.0) -> Array:
         return jnp.exp(self.logdet(damping))
 
     def inverse(self, damping: Any = 0.0, exact: bool = True, min_damping: Any = 0.0) -> CurvatureOperator:
-        return ScaledOperator(1.0 / (1.0 + check_damping(damping)), self)
+        """``(1 + max(damping, min_damping))^-1 I``."""
+        if isinstance(damping, (tuple, list)):
+            raise TypeError("Per-factor (tuple) `damping` needs a Kronecker-factored operator, not IdentityOperator.")
+        return ScaledOperator(jnp.asarray(1.0 / (1.0 + floored_damping(damping, min_damping)), self.dtype), self)
 
     def power(self, p: Any) -> CurvatureOperator:
         static_power(p)
         return self
+
+    def eigenpairs(self, k: int, key: Any = None, num_iterations: int | None = None) -> tuple[Array, Array]:
+        """Eigenvalues 1 with the first ``k`` unit vectors (any orthonormal set is an eigenbasis)."""
+        k = check_top_k(k, self.dim)
+        return jnp.ones(k, self.dtype), jnp.eye(self.dim, k, dtype=self.dtype)
 
 
 _register(IdentityOperator, [], ["space"])
@@ -516,6 +598,13 @@ class ScaledOperator(CurvatureOperator):
         if not (isinstance(p, int) and p >= 1):
             _positive_scale(self.scale, "power")
         return ScaledOperator(self.scale**p, self.operator.power(p))
+
+    def eigenpairs(self, k: int, key: Any = None, num_iterations: int | None = None) -> tuple[Array, Array]:
+        """The inner operator's top ``k`` pairs, values scaled (positive scales; Lanczos otherwise)."""
+        if is_concrete(self.scale) and float(self.scale) > 0:
+            values, vectors = self.operator.eigenpairs(k, key, num_iterations)
+            return self.scale * values, vectors
+        return super().eigenpairs(k, key, num_iterations)
 
 
 _register(ScaledOperator, ["scale", "operator"], [])
