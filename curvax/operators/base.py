@@ -252,7 +252,8 @@ class CurvatureOperator:
             raise TypeError("Use `K1 @ K2` for the product of two operators.")
         if np.ndim(scalar) != 0:
             raise ValueError(f"An operator can only be scaled by a scalar, got shape {np.shape(scalar)}.")
-        return ScaledOperator(jnp.asarray(scalar), self)
+        known = bool(float(scalar) >= 0) if is_concrete(scalar) else None  # before jnp.asarray traces it
+        return ScaledOperator(jnp.asarray(scalar), self, known)
 
     __rmul__ = __mul__
 
@@ -533,6 +534,13 @@ class ScaledOperator(CurvatureOperator):
 
     scale: Array
     operator: CurvatureOperator
+    # whether ``scale >= 0``, recorded (static) when the scale is known at construction, so that
+    # ``is_psd`` survives ``jit`` (where the scale is traced); None when unknown
+    nonnegative: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.nonnegative is None and is_concrete(self.scale):
+            object.__setattr__(self, "nonnegative", bool(float(self.scale) >= 0))
 
     @property
     def space(self) -> ParameterSpace:  # type: ignore[override]
@@ -544,7 +552,7 @@ class ScaledOperator(CurvatureOperator):
 
     @property
     def is_psd(self) -> bool:
-        return self.operator.is_psd and is_concrete(self.scale) and float(self.scale) >= 0
+        return self.operator.is_psd and bool(self.nonnegative)
 
     def _matvec_tree(self, tree: Any) -> Any:
         return jax.tree_util.tree_map(lambda x: (self.scale * x).astype(x.dtype), self.operator._matvec_tree(tree))
@@ -554,7 +562,7 @@ class ScaledOperator(CurvatureOperator):
 
     @property
     def T(self) -> CurvatureOperator:
-        return ScaledOperator(self.scale, self.operator.T)
+        return ScaledOperator(self.scale, self.operator.T, self.nonnegative)
 
     def to_dense(self) -> Array:
         return self.scale * self.operator.to_dense()
@@ -591,13 +599,14 @@ class ScaledOperator(CurvatureOperator):
         else:
             inner = check_damping(damping) / self.scale
         floor = floor / self.scale if exact else floor / jnp.sqrt(self.scale)
-        return ScaledOperator(1.0 / self.scale, self.operator.inverse(inner, exact, floor))
+        return ScaledOperator(1.0 / self.scale, self.operator.inverse(inner, exact, floor), self.nonnegative)
 
     def power(self, p: Any) -> CurvatureOperator:
         p = static_power(p)
         if not (isinstance(p, int) and p >= 1):
             _positive_scale(self.scale, "power")
-        return ScaledOperator(self.scale**p, self.operator.power(p))
+        even = isinstance(p, int) and p % 2 == 0
+        return ScaledOperator(self.scale**p, self.operator.power(p), True if even else self.nonnegative)
 
     def eigenpairs(self, k: int, key: Any = None, num_iterations: int | None = None) -> tuple[Array, Array]:
         """The inner operator's top ``k`` pairs, values scaled (positive scales; Lanczos otherwise)."""
@@ -607,7 +616,7 @@ class ScaledOperator(CurvatureOperator):
         return super().eigenpairs(k, key, num_iterations)
 
 
-_register(ScaledOperator, ["scale", "operator"], [])
+_register(ScaledOperator, ["scale", "operator"], ["nonnegative"])
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
