@@ -394,8 +394,8 @@ def _same_space(ops: Sequence[CurvatureOperator]) -> ParameterSpace:
     for op in ops[1:]:
         if op.space != space:
             raise ValueError(
-                f"Operators act on different parameters: {space.treedef} {list(space.shapes)} vs "
-                f"{op.space.treedef} {list(op.space.shapes)}."
+                f"Operators act on different parameters: {space.treedef} {list(space.shapes)} {list(space.dtypes)} vs "
+                f"{op.space.treedef} {list(op.space.shapes)} {list(op.space.dtypes)}."
             )
     return space
 
