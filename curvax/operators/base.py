@@ -87,6 +87,25 @@ def clamp_null(eigenvalues: Array, size: int | None = None) -> Array:
     return jnp.where(eigenvalues <= rank_tolerance(eigenvalues, size), 0.0, eigenvalues).astype(eigenvalues.dtype)
 
 
+def check_exact(exact: Any) -> bool:
+    """``inverse``'s ``exact`` flag: a bool (a string such as ``"no"`` would be truthy)."""
+    if not isinstance(exact, (bool, np.bool_)):
+        raise TypeError(f"`exact` must be True or False, got {exact!r}.")
+    return bool(exact)
+
+
+def check_key(key: Any, name: str = "key") -> Any:
+    """A ``jax.random`` key (typed, or a raw ``uint32[2]`` from ``PRNGKey``), or None."""
+    if key is None:
+        return None
+    ok = isinstance(key, (jax.Array, np.ndarray)) and (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or (key.dtype == np.uint32 and key.shape == (2,))
+    )
+    if not ok:
+        raise TypeError(f"`{name}` must be a jax.random key (jax.random.PRNGKey(seed) or jax.random.key(seed)), got {key!r}.")
+    return key
+
+
 def check_top_k(k: Any, dim: int, name: str = "k") -> int:
     """An integer ``1 <= k <= dim``."""
     if isinstance(k, bool) or not isinstance(k, (numbers.Integral, np.integer)):
@@ -343,6 +362,7 @@ class CurvatureOperator:
         """``(K + max(damping, min_damping) I)^-1`` as an operator (dense fallback for operators
         without a closed form). ``min_damping`` is a floor on the damping, as for the K-FAC
         operator; ``exact`` only matters for Kronecker-factored operators."""
+        check_exact(exact)
         if isinstance(damping, (tuple, list)):
             raise TypeError(f"Per-factor (tuple) `damping` needs a Kronecker-factored operator, not {type(self).__name__}.")
         d = floored_damping(damping, min_damping)
@@ -486,6 +506,7 @@ class IdentityOperator(CurvatureOperator):
 
     def inverse(self, damping: Any = 0.0, exact: bool = True, min_damping: Any = 0.0) -> CurvatureOperator:
         """``(1 + max(damping, min_damping))^-1 I``."""
+        check_exact(exact)
         if isinstance(damping, (tuple, list)):
             raise TypeError("Per-factor (tuple) `damping` needs a Kronecker-factored operator, not IdentityOperator.")
         return ScaledOperator(jnp.asarray(1.0 / (1.0 + floored_damping(damping, min_damping)), self.dtype), self)
@@ -592,6 +613,7 @@ class ScaledOperator(CurvatureOperator):
         # (s K + d I)^-1 = s^-1 (K + (d / s) I)^-1 for s > 0.
         # Per-factor dampings (and their floor) scale with sqrt(s): s (A + a I) (x) (G + g I) has
         # factors sqrt(s) A + sqrt(s) a I and sqrt(s) G + sqrt(s) g I.
+        check_exact(exact)
         _positive_scale(self.scale, "inverse")
         floor = check_damping(min_damping, "min_damping")
         if isinstance(damping, tuple):

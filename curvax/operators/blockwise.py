@@ -33,6 +33,7 @@ from curvax.operators.base import (
     ParameterSpace,
     _register,
     check_damping,
+    check_exact,
     check_top_k,
     clamp_null,
     is_concrete,
@@ -476,6 +477,7 @@ class BlockDiagonalOperator(CurvatureOperator):
         A singular result (zero damping on a singular block) raises a ValueError when the values
         are concrete; under ``jit`` it gives ``inf``.
         """
+        exact = check_exact(exact)
         floor = check_damping(min_damping, "min_damping")
         if isinstance(damping, (tuple, list)):
             if exact:

@@ -159,7 +159,7 @@ def lanczos_eigenpairs(
     ``lanczos_eigenvalues``). Returns ``(values (k,), vectors (dim, k))``: flat unit vectors
     (``operator.space.unflatten`` of a column gives a parameter pytree). Symmetric operators only.
     """
-    from curvax.operators.base import check_top_k
+    from curvax.operators.base import check_key, check_top_k
 
     if not isinstance(operator, CurvatureOperator):
         raise TypeError(f"`operator` must be a curvax.operators.CurvatureOperator, got {type(operator).__name__}.")
@@ -172,7 +172,7 @@ def lanczos_eigenpairs(
         m = _check_iterations(operator, num_iterations)
         if m < k:
             raise ValueError(f"`num_iterations` ({m}) must be >= `k` ({k}).")
-    key = jax.random.PRNGKey(0) if key is None else key
+    key = jax.random.PRNGKey(0) if check_key(key) is None else key
     basis, alpha, beta = _lanczos_basis(operator, key, m)
     theta, y = jnp.linalg.eigh(jnp.diag(alpha) + jnp.diag(beta, 1) + jnp.diag(beta, -1))
     order = jnp.argsort(-theta)[:k]
