@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -219,6 +220,52 @@ def curvax_half(problem: dict, model: str, kfac_approx: str = "expand", ekfac: b
     return out
 
 
+_LABELS = {"matvec": "`K @ v`", "trace": "`trace`", "logdet": "`logdet`", "frobenius_norm": "`frobenius_norm`",
+           "inverse_matvec": "`(K + 0.01 I)^-1 v` (exact damping)"}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
+def _value(v: Any) -> str:
+    return "a vector" if isinstance(v, str) else f"{v:.12g}"
+
+
+def markdown(path: str) -> str:
+    """The tables of ``docs/migration/curvlinops.md`` from one results JSON (every figure from it)."""
+    report = json.loads(Path(path).read_text())
+    out = []
+    for model, res in report["models"].items():
+        label = {"mlp": "MLP", "cnn": "CNN"}[model]
+        b = res["build_s"]
+        out.append(f"**{label}, {report.get('operator', 'K-FAC')}** ({res['num_parameters']} parameters, "
+                   f"{report['num_data'][model]} examples). Building the operator: curvlinops {_ms(b['curvlinops'])}, "
+                   f"curvax {_ms(b['curvax'])} (tracing and compiling included)"
+                   + (f"; `K.factorized()` {_ms(res['curvax_factorize_s'])}." if report.get("operator") != "EKFAC" else "."))
+        out.append("")
+        out.append("| method | curvlinops | curvax | relative difference |")
+        out.append("| --- | --- | --- | --- |")
+        for name, row in res["methods"].items():
+            out.append(f"| {_LABELS[name]} | {_value(row['curvlinops'])} | {_value(row['curvax'])} | "
+                       f"{row['relative_difference']:.1e} |")
+        out.append("")
+        fact = report.get("operator") != "EKFAC"
+        out.append("| method | curvlinops | curvax (jitted) |" + (" curvax on `K.factorized()` |" if fact else ""))
+        out.append("| --- | --- | --- |" + (" --- |" if fact else ""))
+        for name, row in res["methods"].items():
+            cells = [_LABELS[name], _ms(row["curvlinops_time_s"]), _ms(row["curvax_time_s"])]
+            if fact:
+                cells.append(_ms(row["curvax_factorized_time_s"]))
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    worst = max(row["relative_difference"] for res in report["models"].values() for row in res["methods"].values())
+    out.append(f"Largest relative difference: {worst:.1e}.")
+    if "load_average_1min" in report:
+        out.append(f"Load average (1 min) when the run ended: {report['load_average_1min']:.1f}.")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--torch-python", default=None, help="a Python with torch and curvlinops-for-pytorch")
@@ -226,8 +273,12 @@ def main() -> None:
     parser.add_argument("--ekfac", action="store_true", help="EKFAC (curvlinops' EKFACLinearOperator) on the MLP")
     parser.add_argument("--kfac-approx", choices=("expand", "reduce"), default="expand",
                         help="K-FAC-expand (default) or K-FAC-reduce in both libraries")
+    parser.add_argument("--markdown", metavar="JSON", help="print the docs' tables from a results JSON and exit")
     parser.add_argument("--torch-half", nargs=4, metavar=("NPZ", "MODEL", "APPROX", "EKFAC"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(args.markdown))
+        return
     if args.torch_half:
         npz, model, approx, ekfac = args.torch_half
         print(json.dumps(torch_half(npz, model, approx, ekfac == "1")))
@@ -270,6 +321,8 @@ def main() -> None:
                                    "curvax_factorize_s": ours["factorize_s"],
                                    "methods": rows}
         report["versions"] = {**theirs["versions"], **ours["versions"]}
+    # the machine's 1-minute load average when done (times on a shared, busy machine are noisy)
+    report["load_average_1min"] = os.getloadavg()[0]
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
