@@ -248,19 +248,24 @@ class BlockDiagonalOperator(CurvatureOperator):
     def _null_clamped_eigenvalues(self, b: Any, s: Any) -> Array:
         """A non-Kronecker block's (undamped) eigenvalues with its numerical null space set to 0.
 
-        Diagonal blocks' entries are exact (no decomposition): only negatives are clipped. Other
-        blocks' eigenvalues at or below ``rank_tolerance`` (``dim_b * eps * max``) become 0.
+        Diagonal blocks' entries are exact (no decomposition): only negatives are clipped. EKFAC
+        blocks' corrected eigenvalues at or below ``rank_tolerance`` with ``n = max(d_A, d_G)``
+        (the decomposed factors' order), other blocks' with ``n = dim_b``, become 0.
         """
         ev = jnp.ravel(b.eigenvalues(s, False))
         if isinstance(b, (blocks_lib.Diagonal, blocks_lib.ScaledIdentity)):
             return jnp.maximum(ev, 0)
+        if isinstance(b, blocks_lib.EigenvalueCorrectedKroneckerFactored):
+            # second moments in the factors' eigenbasis: the round-off is the factors' (order max(d_A, d_G))
+            return clamp_null(ev, max(s.inputs_factor.value.shape[0], s.outputs_factor.value.shape[0]))
         return clamp_null(ev, int(b.dim))
 
     def logdet(self, damping: Any = 0.0) -> Array:
         """``log det(K + damping I)`` from the blocks' eigenvalues; ``-inf`` when (numerically) singular.
 
         Numerically singular: every eigendecomposed PSD matrix (a Kronecker block's factors
-        ``A'``, ``G'``; a full or EKFAC block's own eigenvalues) has its eigenvalues at or below
+        ``A'``, ``G'``; a full block; an EKFAC block's corrected eigenvalues, with ``n`` its
+        factors' larger order) has its eigenvalues at or below
         ``n * eps * largest`` (``n`` its order, ``eps`` the dtype's machine epsilon:
         ``base.rank_tolerance``, ``numpy.linalg.matrix_rank``'s rule) set to exactly 0 before the
         block's damping, power and ``damping`` are applied exactly. So an undamped singular
