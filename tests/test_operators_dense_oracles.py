@@ -139,7 +139,8 @@ def test_eigenpairs_of_closed_form_operators_equal_eigh(operators, name):
 def test_eigenpairs_of_derived_block_operators_and_cnn(operators):
     K, _ = operators["kfac"]
     derived = {"inverse": K.inverse(0.1), "pi-adjusted": K.inverse(0.1, exact=False), "sqrt": K.power(0.5),
-               "damped": K.damped(0.2), "cnn": ops.from_estimator(*_problem("cnn")[:2])}
+               "damped": K.damped(0.2), "scaled (jit: closed form)": 3.0 * K,
+               "cnn": ops.from_estimator(*_problem("cnn")[:2])}
     for name, op in derived.items():
         m = np.asarray(op.to_dense())
         values, vectors = jax.jit(lambda o: o.eigenpairs(5))(op)

@@ -631,8 +631,8 @@ class ScaledOperator(CurvatureOperator):
         return ScaledOperator(self.scale**p, self.operator.power(p), True if even else self.nonnegative)
 
     def eigenpairs(self, k: int, key: Any = None, num_iterations: int | None = None) -> tuple[Array, Array]:
-        """The inner operator's top ``k`` pairs, values scaled (positive scales; Lanczos otherwise)."""
-        if is_concrete(self.scale) and float(self.scale) > 0:
+        """The inner operator's top ``k`` pairs, values scaled (scales known >= 0; Lanczos otherwise)."""
+        if self.nonnegative:
             values, vectors = self.operator.eigenpairs(k, key, num_iterations)
             return self.scale * values, vectors
         return super().eigenpairs(k, key, num_iterations)
