@@ -19,12 +19,22 @@ passes weights and data through an ``.npz`` file.
     python benchmarks/curvlinops_side_by_side.py --torch-python /path/to/venv/bin/python
 
 Writes JSON (default ``benchmarks/results/curvlinops_side_by_side.json``).
+
+``--ekfac``: curvlinops' ``EKFACLinearOperator`` against ``curvax.operators.kfac`` with
+``layer_tag_to_block_ctor={"dense": curvax.DenseEigenvalueCorrected}`` on the MLP (curvax has
+no convolution EKFAC block, so the CNN is not compared), ``separate_weight_and_bias=False`` in
+both (curvax's EKFAC block keeps a layer's weight and bias together); ``factorized()`` does not
+apply to EKFAC blocks, so those columns repeat the plain operator. Default output
+``benchmarks/results/curvlinops_side_by_side_ekfac.json``.
+
+    python benchmarks/curvlinops_side_by_side.py --torch-python /path/to/venv/bin/python --ekfac
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -72,9 +82,9 @@ def make_problem(model: str, seed: int = 0) -> dict:
 # ----------------------------------------------------------------------------------
 
 
-def torch_half(npz_path: str, model: str, kfac_approx: str = "expand") -> dict:
+def torch_half(npz_path: str, model: str, kfac_approx: str = "expand", ekfac: bool = False) -> dict:
     import torch
-    from curvlinops import KFACInverseLinearOperator, KFACLinearOperator
+    from curvlinops import EKFACLinearOperator, KFACInverseLinearOperator, KFACLinearOperator
 
     torch.set_default_dtype(torch.float64)
     data = np.load(npz_path)
@@ -94,8 +104,9 @@ def torch_half(npz_path: str, model: str, kfac_approx: str = "expand") -> dict:
     params = [p for p in net.parameters() if p.requires_grad]
 
     def build() -> Any:
-        K = KFACLinearOperator(net, torch.nn.MSELoss(), params, [(x, y)], fisher_type="type-2", kfac_approx=kfac_approx,
-                               separate_weight_and_bias=True, check_deterministic=False)
+        cls = EKFACLinearOperator if ekfac else KFACLinearOperator
+        K = cls(net, torch.nn.MSELoss(), params, [(x, y)], fisher_type="type-2", kfac_approx=kfac_approx,
+                separate_weight_and_bias=not ekfac, check_deterministic=False)
         K @ v  # the factors are computed at the first product
         return K
 
@@ -134,7 +145,7 @@ def torch_half(npz_path: str, model: str, kfac_approx: str = "expand") -> dict:
 # ----------------------------------------------------------------------------------
 
 
-def curvax_half(problem: dict, model: str, kfac_approx: str = "expand") -> dict:
+def curvax_half(problem: dict, model: str, kfac_approx: str = "expand", ekfac: bool = False) -> dict:
     import jax
 
     jax.config.update("jax_enable_x64", True)
@@ -175,7 +186,9 @@ def curvax_half(problem: dict, model: str, kfac_approx: str = "expand") -> dict:
     v = [(vw[i].T, vw[i + 1]) for i in range(0, len(vw), 2)] if model == "mlp" else [(vw[0], vw[1]), (vw[2].T, vw[3])]
 
     def build() -> Any:
-        K = ops.kfac(loss_fn, params, batch, fisher_type="type-2", separate_weight_and_bias=True, kfac_approx=kfac_approx)
+        ctors = {"dense": curvax.DenseEigenvalueCorrected} if ekfac else None
+        K = ops.kfac(loss_fn, params, batch, fisher_type="type-2", separate_weight_and_bias=not ekfac,
+                     kfac_approx=kfac_approx, layer_tag_to_block_ctor=ctors)
         jax.block_until_ready(K.state)
         return K
 
@@ -207,33 +220,88 @@ def curvax_half(problem: dict, model: str, kfac_approx: str = "expand") -> dict:
     return out
 
 
+_LABELS = {"matvec": "`K @ v`", "trace": "`trace`", "logdet": "`logdet`", "frobenius_norm": "`frobenius_norm`",
+           "inverse_matvec": "`(K + 0.01 I)^-1 v` (exact damping)"}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
+def _value(v: Any) -> str:
+    return "a vector" if isinstance(v, str) else f"{v:.12g}"
+
+
+def markdown(path: str) -> str:
+    """The tables of ``docs/migration/curvlinops.md`` from one results JSON (every figure from it)."""
+    report = json.loads(Path(path).read_text())
+    out = []
+    for model, res in report["models"].items():
+        label = {"mlp": "MLP", "cnn": "CNN"}[model]
+        b = res["build_s"]
+        out.append(f"**{label}, {report.get('operator', 'K-FAC')}** ({res['num_parameters']} parameters, "
+                   f"{report['num_data'][model]} examples). Building the operator: curvlinops {_ms(b['curvlinops'])}, "
+                   f"curvax {_ms(b['curvax'])} (tracing and compiling included)"
+                   + (f"; `K.factorized()` {_ms(res['curvax_factorize_s'])}." if report.get("operator") != "EKFAC" else "."))
+        out.append("")
+        out.append("| method | curvlinops | curvax | relative difference |")
+        out.append("| --- | --- | --- | --- |")
+        for name, row in res["methods"].items():
+            out.append(f"| {_LABELS[name]} | {_value(row['curvlinops'])} | {_value(row['curvax'])} | "
+                       f"{row['relative_difference']:.1e} |")
+        out.append("")
+        fact = report.get("operator") != "EKFAC"
+        out.append("| method | curvlinops | curvax (jitted) |" + (" curvax on `K.factorized()` |" if fact else ""))
+        out.append("| --- | --- | --- |" + (" --- |" if fact else ""))
+        for name, row in res["methods"].items():
+            cells = [_LABELS[name], _ms(row["curvlinops_time_s"]), _ms(row["curvax_time_s"])]
+            if fact:
+                cells.append(_ms(row["curvax_factorized_time_s"]))
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    worst = max(row["relative_difference"] for res in report["models"].values() for row in res["methods"].values())
+    out.append(f"Largest relative difference: {worst:.1e}.")
+    if "load_average_1min" in report:
+        out.append(f"Load average (1 min) when the run ended: {report['load_average_1min']:.1f}.")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--torch-python", default=None, help="a Python with torch and curvlinops-for-pytorch")
-    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "curvlinops_side_by_side.json"))
+    parser.add_argument("--output", default=None, help="default: benchmarks/results/curvlinops_side_by_side[_ekfac].json")
+    parser.add_argument("--ekfac", action="store_true", help="EKFAC (curvlinops' EKFACLinearOperator) on the MLP")
     parser.add_argument("--kfac-approx", choices=("expand", "reduce"), default="expand",
                         help="K-FAC-expand (default) or K-FAC-reduce in both libraries")
-    parser.add_argument("--torch-half", nargs=3, metavar=("NPZ", "MODEL", "APPROX"), help=argparse.SUPPRESS)
+    parser.add_argument("--markdown", metavar="JSON", help="print the docs' tables from a results JSON and exit")
+    parser.add_argument("--torch-half", nargs=4, metavar=("NPZ", "MODEL", "APPROX", "EKFAC"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.torch_half:
-        print(json.dumps(torch_half(*args.torch_half)))
+    if args.markdown:
+        print(markdown(args.markdown))
         return
+    if args.torch_half:
+        npz, model, approx, ekfac = args.torch_half
+        print(json.dumps(torch_half(npz, model, approx, ekfac == "1")))
+        return
+    if args.output is None:
+        name = "curvlinops_side_by_side_ekfac.json" if args.ekfac else "curvlinops_side_by_side.json"
+        args.output = str(Path(__file__).parent / "results" / name)
     if not args.torch_python:
         parser.error("--torch-python is needed (an environment with torch and curvlinops-for-pytorch)")
-    report: dict = {"damping": DAMPING, "num_data": NUM_DATA, "fisher_type": "type-2", "separate_weight_and_bias": True,
-                    "kfac_approx": args.kfac_approx,
-                    "models": {}}
-    for model in ("mlp", "cnn"):
+    report: dict = {"damping": DAMPING, "num_data": NUM_DATA, "fisher_type": "type-2",
+                    "separate_weight_and_bias": not args.ekfac, "kfac_approx": args.kfac_approx,
+                    "operator": "EKFAC" if args.ekfac else "K-FAC", "models": {}}
+    for model in ("mlp",) if args.ekfac else ("mlp", "cnn"):
         problem = make_problem(model)
         with tempfile.TemporaryDirectory() as tmp:
             path = str(Path(tmp) / "problem.npz")
             arrays = {f"w{i}": a for i, a in enumerate(problem["weights"])}
             arrays.update({f"v{i}": a for i, a in enumerate(problem["v"])})
             np.savez(path, x=problem["x"], y=problem["y"], **arrays)
-            proc = subprocess.run([args.torch_python, __file__, "--torch-half", path, model, args.kfac_approx], capture_output=True,
-                                  text=True, check=True)
+            proc = subprocess.run([args.torch_python, __file__, "--torch-half", path, model, args.kfac_approx,
+                                   "1" if args.ekfac else "0"], capture_output=True, text=True, check=True)
         theirs = json.loads(proc.stdout.strip().splitlines()[-1])
-        ours = curvax_half(problem, model, args.kfac_approx)
+        ours = curvax_half(problem, model, args.kfac_approx, args.ekfac)
         rows = {}
         for name in ours["methods"]:
             a, b = np.asarray(theirs["methods"][name]["value"]), np.asarray(ours["methods"][name]["value"])
@@ -253,6 +321,8 @@ def main() -> None:
                                    "curvax_factorize_s": ours["factorize_s"],
                                    "methods": rows}
         report["versions"] = {**theirs["versions"], **ours["versions"]}
+    # the machine's 1-minute load average when done (times on a shared, busy machine are noisy)
+    report["load_average_1min"] = os.getloadavg()[0]
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -50,10 +50,17 @@ def test_factorized_operators_equal_the_unfactorized_ones(name):
         for method in ("trace", "frobenius_norm", "eigenvalues", "diagonal"):
             np.testing.assert_allclose(getattr(b, method)(), getattr(a, method)(), rtol=1e-9, atol=1e-12,
                                        err_msg=f"{model} {name} {method}")
+        dense = np.asarray(a.to_dense())
         for d in (0.0, 0.7):
-            if name in ("K", "K^2") and d == 0.0:
-                continue  # singular (softmax): -inf in both, compared below
+            ev = np.linalg.eigvalsh(dense + d * np.eye(dense.shape[0]))
+            if ev[0] <= ev.size * np.finfo(ev.dtype).eps * np.abs(ev).max():
+                # numerically singular (the softmax's G, undamped): -inf in both
+                assert name in ("K", "K^2") and d == 0.0, (model, name, d)
+                assert float(a.logdet(d)) == float(b.logdet(d)) == -np.inf, (model, name, a.logdet(d), b.logdet(d))
+                continue
+            want = np.linalg.slogdet(dense + d * np.eye(dense.shape[0]))[1]
             np.testing.assert_allclose(b.logdet(d), a.logdet(d), rtol=1e-10, err_msg=f"{model} {name} logdet({d})")
+            np.testing.assert_allclose(a.logdet(d), want, rtol=1e-8, err_msg=f"{model} {name} logdet({d}) vs slogdet")
 
 
 def test_factorized_inverse_products_decompose_nothing_and_work_under_jit_and_vmap():

@@ -40,11 +40,12 @@ from curvax.operators.stochastic import (
     hutchpp_diagonal,
     hutchpp_trace,
     lanczos,
+    lanczos_eigenpairs,
     lanczos_eigenvalues,
     slq_quadrature,
     spectral_density,
 )
-from curvax.operators.interop import solve, to_lineax
+from curvax.operators.interop import default_tolerance, solve, to_lineax
 from curvax.operators.kfac import (
     FISHER_TO_ESTIMATION_MODE,
     FisherType,
@@ -94,9 +95,11 @@ __all__ = [
     "hutchpp_diagonal",
     "hutchpp_trace",
     "lanczos",
+    "lanczos_eigenpairs",
     "lanczos_eigenvalues",
     "slq_quadrature",
     "spectral_density",
+    "default_tolerance",
     "solve",
     "to_lineax",
     "INVERSE_METHODS",

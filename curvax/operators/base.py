@@ -54,6 +54,67 @@ def check_damping(value: Any, name: str = "damping") -> Any:
     return float(value) if isinstance(value, numbers.Real) else jnp.asarray(value)
 
 
+def floored_damping(damping: Any, min_damping: Any) -> Any:
+    """The damping ``inverse`` applies: ``max(damping, min_damping)`` (both checked >= 0).
+
+    ``min_damping`` is a floor, the same rule as the K-FAC operator's exact inverse (and, per
+    factor, its ``exact=False`` inverse): ``inverse(d, min_damping=m)`` is ``(K + max(d, m) I)^-1``.
+    Python floats stay Python floats (a static zero stays static).
+    """
+    d = check_damping(damping)
+    m = check_damping(min_damping, "min_damping")
+    if isinstance(d, float) and isinstance(m, float):
+        return max(d, m)
+    if is_static_zero(m):
+        return d
+    return jnp.maximum(d, m)
+
+
+def rank_tolerance(eigenvalues: Array, size: int) -> Array:
+    """The threshold below which an eigenvalue of a decomposed PSD matrix counts as zero.
+
+    ``size * eps * max(eigenvalues)`` with ``eps`` the dtype's machine epsilon and ``size`` the
+    decomposed matrix's order: ``numpy.linalg.matrix_rank``'s default, the size of the round-off
+    an eigendecomposition leaves on a zero eigenvalue.
+    """
+    eps = jnp.finfo(eigenvalues.dtype).eps
+    return size * eps * jnp.max(jnp.abs(eigenvalues), initial=0.0)
+
+
+def clamp_null(eigenvalues: Array, size: int | None = None) -> Array:
+    """PSD eigenvalues with those at or below ``rank_tolerance`` (and negative round-off) set to exactly 0."""
+    size = eigenvalues.size if size is None else size
+    return jnp.where(eigenvalues <= rank_tolerance(eigenvalues, size), 0.0, eigenvalues).astype(eigenvalues.dtype)
+
+
+def check_exact(exact: Any) -> bool:
+    """``inverse``'s ``exact`` flag: a bool (a string such as ``"no"`` would be truthy)."""
+    if not isinstance(exact, (bool, np.bool_)):
+        raise TypeError(f"`exact` must be True or False, got {exact!r}.")
+    return bool(exact)
+
+
+def check_key(key: Any, name: str = "key") -> Any:
+    """A ``jax.random`` key (typed, or a raw ``uint32[2]`` from ``PRNGKey``), or None."""
+    if key is None:
+        return None
+    ok = isinstance(key, (jax.Array, np.ndarray)) and (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or (key.dtype == np.uint32 and key.shape == (2,))
+    )
+    if not ok:
+        raise TypeError(f"`{name}` must be a jax.random key (jax.random.PRNGKey(seed) or jax.random.key(seed)), got {key!r}.")
+    return key
+
+
+def check_top_k(k: Any, dim: int, name: str = "k") -> int:
+    """An integer ``1 <= k <= dim``."""
+    if isinstance(k, bool) or not isinstance(k, (numbers.Integral, np.integer)):
+        raise TypeError(f"`{name}` must be an integer in [1, {dim}], got {k!r}.")
+    if not 1 <= int(k) <= dim:
+        raise ValueError(f"`{name}` must be in [1, {dim}] (the operator's dim), got {int(k)}.")
+    return int(k)
+
+
 def is_static_zero(x: Any) -> bool:
     """Whether ``x`` is known now to be exactly zero."""
     return is_concrete(x) and float(x) == 0.0
@@ -210,7 +271,8 @@ class CurvatureOperator:
             raise TypeError("Use `K1 @ K2` for the product of two operators.")
         if np.ndim(scalar) != 0:
             raise ValueError(f"An operator can only be scaled by a scalar, got shape {np.shape(scalar)}.")
-        return ScaledOperator(jnp.asarray(scalar), self)
+        known = bool(float(scalar) >= 0) if is_concrete(scalar) else None  # before jnp.asarray traces it
+        return ScaledOperator(jnp.asarray(scalar), self, known)
 
     __rmul__ = __mul__
 
@@ -275,10 +337,19 @@ class CurvatureOperator:
         return self._dense_eigenvalues("eigenvalues")
 
     def logdet(self, damping: Any = 0.0) -> Array:
-        """``log det(K + damping I)`` (``-inf`` when singular, ``nan`` when the determinant is negative)."""
+        """``log det(K + damping I)`` (``-inf`` when singular, ``nan`` when the determinant is negative).
+
+        Symmetric PSD operators: from the eigenvalues of the dense ``K + damping I``, ``-inf``
+        when the smallest is at most ``dim * eps * largest`` (``rank_tolerance``: numerically
+        singular). Others: ``slogdet``.
+        """
         d = check_damping(damping)
         m = self._dense_for("logdet")
-        sign, value = jnp.linalg.slogdet(m + d * jnp.eye(self.dim, dtype=m.dtype))
+        m = m + d * jnp.eye(self.dim, dtype=m.dtype)
+        if self.is_symmetric and self.is_psd:
+            ev = jnp.linalg.eigvalsh((m + m.T) / 2)
+            return jnp.where(ev[0] <= rank_tolerance(ev, self.dim), -jnp.inf, jnp.sum(jnp.log(jnp.abs(ev))))
+        sign, value = jnp.linalg.slogdet(m)
         return jnp.where(sign > 0, value, jnp.where(sign == 0, -jnp.inf, jnp.nan))
 
     def det(self, damping: Any = 0.0) -> Array:
@@ -288,11 +359,13 @@ class CurvatureOperator:
         return jnp.linalg.det(m + d * jnp.eye(self.dim, dtype=m.dtype))
 
     def inverse(self, damping: Any = 0.0, exact: bool = True, min_damping: Any = 0.0) -> "CurvatureOperator":
-        """``(K + damping I)^-1`` as an operator (dense fallback for operators without a closed form)."""
-        if isinstance(damping, tuple):
+        """``(K + max(damping, min_damping) I)^-1`` as an operator (dense fallback for operators
+        without a closed form). ``min_damping`` is a floor on the damping, as for the K-FAC
+        operator; ``exact`` only matters for Kronecker-factored operators."""
+        check_exact(exact)
+        if isinstance(damping, (tuple, list)):
             raise TypeError(f"Per-factor (tuple) `damping` needs a Kronecker-factored operator, not {type(self).__name__}.")
-        d = check_damping(damping)
-        check_damping(min_damping, "min_damping")
+        d = floored_damping(damping, min_damping)
         m = self._dense_for("inverse")
         m = m + d * jnp.eye(self.dim, dtype=m.dtype)
         if is_concrete(m):
@@ -300,6 +373,20 @@ class CurvatureOperator:
             if s[-1] <= self.dim * np.finfo(s.dtype).eps * max(s[0], np.finfo(s.dtype).tiny):
                 raise ValueError(f"The operator plus `damping`={float(d)} I is singular; pass `damping` > 0.")
         return DenseOperator(jnp.linalg.inv(m), self.space, symmetric=self.is_symmetric, psd=self.is_psd)
+
+    def eigenpairs(self, k: int, key: Any = None, num_iterations: int | None = None) -> tuple[Array, Array]:
+        """The ``k`` largest eigenvalues (descending) and their unit eigenvectors.
+
+        Returns ``(values, vectors)``: ``values`` of shape ``(k,)`` and ``vectors`` of shape
+        ``(dim, k)``, flat columns in the operator's flat order (``K.space.unflatten(vectors[:, i])``
+        is a parameter pytree). Matrix-free operators (exact GGN / Fisher / Hessian, sums ...) use
+        Lanczos with full re-orthogonalisation (``lanczos_eigenpairs``: ``key`` the random start,
+        ``num_iterations`` steps; exact when equal to ``dim``). Block-diagonal, dense, scaled and
+        identity operators override this with exact closed forms (``key``/``num_iterations`` unused).
+        """
+        from curvax.operators.stochastic import lanczos_eigenpairs
+
+        return lanczos_eigenpairs(self, k, key, num_iterations)
 
     def power(self, p: Any) -> "CurvatureOperator":
         """``K^p``: integer ``p >= 1`` as a product; other powers from the dense eigendecomposition."""
@@ -327,8 +414,8 @@ def _same_space(ops: Sequence[CurvatureOperator]) -> ParameterSpace:
     for op in ops[1:]:
         if op.space != space:
             raise ValueError(
-                f"Operators act on different parameters: {space.treedef} {list(space.shapes)} vs "
-                f"{op.space.treedef} {list(op.space.shapes)}."
+                f"Operators act on different parameters: {space.treedef} {list(space.shapes)} {list(space.dtypes)} vs "
+                f"{op.space.treedef} {list(op.space.shapes)} {list(op.space.dtypes)}."
             )
     return space
 
@@ -371,6 +458,14 @@ class DenseOperator(CurvatureOperator):
     def _dense_for(self, what: str) -> Array:
         return self.matrix
 
+    def eigenpairs(self, k: int, key: Any = None, num_iterations: int | None = None) -> tuple[Array, Array]:
+        """The ``k`` largest eigenpairs from ``eigh`` of the matrix (symmetric only)."""
+        if not self.symmetric:
+            raise NotImplementedError("DenseOperator.eigenpairs: the matrix is not symmetric.")
+        k = check_top_k(k, self.dim)
+        s, q = jnp.linalg.eigh((self.matrix + self.matrix.T) / 2)
+        return s[::-1][:k], q[:, ::-1][:, :k]
+
     @property
     def T(self) -> "DenseOperator":
         return self if self.symmetric else DenseOperator(self.matrix.T, self.space, False, self.psd)
@@ -404,17 +499,26 @@ class IdentityOperator(CurvatureOperator):
         return jnp.ones(self.dim, self.dtype)
 
     def logdet(self, damping: Any = 0.0) -> Array:
-        return self.dim * jnp.log1p(check_damping(damping).astype(self.dtype))
+        return self.dim * jnp.log1p(jnp.asarray(check_damping(damping), self.dtype))
 
     def det(self, damping: Any = 0.0) -> Array:
         return jnp.exp(self.logdet(damping))
 
     def inverse(self, damping: Any = 0.0, exact: bool = True, min_damping: Any = 0.0) -> CurvatureOperator:
-        return ScaledOperator(1.0 / (1.0 + check_damping(damping)), self)
+        """``(1 + max(damping, min_damping))^-1 I``."""
+        check_exact(exact)
+        if isinstance(damping, (tuple, list)):
+            raise TypeError("Per-factor (tuple) `damping` needs a Kronecker-factored operator, not IdentityOperator.")
+        return ScaledOperator(jnp.asarray(1.0 / (1.0 + floored_damping(damping, min_damping)), self.dtype), self)
 
     def power(self, p: Any) -> CurvatureOperator:
         static_power(p)
         return self
+
+    def eigenpairs(self, k: int, key: Any = None, num_iterations: int | None = None) -> tuple[Array, Array]:
+        """Eigenvalues 1 with the first ``k`` unit vectors (any orthonormal set is an eigenbasis)."""
+        k = check_top_k(k, self.dim)
+        return jnp.ones(k, self.dtype), jnp.eye(self.dim, k, dtype=self.dtype)
 
 
 _register(IdentityOperator, [], ["space"])
@@ -451,6 +555,13 @@ class ScaledOperator(CurvatureOperator):
 
     scale: Array
     operator: CurvatureOperator
+    # whether ``scale >= 0``, recorded (static) when the scale is known at construction, so that
+    # ``is_psd`` survives ``jit`` (where the scale is traced); None when unknown
+    nonnegative: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.nonnegative is None and is_concrete(self.scale):
+            object.__setattr__(self, "nonnegative", bool(float(self.scale) >= 0))
 
     @property
     def space(self) -> ParameterSpace:  # type: ignore[override]
@@ -462,7 +573,7 @@ class ScaledOperator(CurvatureOperator):
 
     @property
     def is_psd(self) -> bool:
-        return self.operator.is_psd and is_concrete(self.scale) and float(self.scale) >= 0
+        return self.operator.is_psd and bool(self.nonnegative)
 
     def _matvec_tree(self, tree: Any) -> Any:
         return jax.tree_util.tree_map(lambda x: (self.scale * x).astype(x.dtype), self.operator._matvec_tree(tree))
@@ -472,7 +583,7 @@ class ScaledOperator(CurvatureOperator):
 
     @property
     def T(self) -> CurvatureOperator:
-        return ScaledOperator(self.scale, self.operator.T)
+        return ScaledOperator(self.scale, self.operator.T, self.nonnegative)
 
     def to_dense(self) -> Array:
         return self.scale * self.operator.to_dense()
@@ -502,6 +613,7 @@ class ScaledOperator(CurvatureOperator):
         # (s K + d I)^-1 = s^-1 (K + (d / s) I)^-1 for s > 0.
         # Per-factor dampings (and their floor) scale with sqrt(s): s (A + a I) (x) (G + g I) has
         # factors sqrt(s) A + sqrt(s) a I and sqrt(s) G + sqrt(s) g I.
+        check_exact(exact)
         _positive_scale(self.scale, "inverse")
         floor = check_damping(min_damping, "min_damping")
         if isinstance(damping, tuple):
@@ -509,16 +621,24 @@ class ScaledOperator(CurvatureOperator):
         else:
             inner = check_damping(damping) / self.scale
         floor = floor / self.scale if exact else floor / jnp.sqrt(self.scale)
-        return ScaledOperator(1.0 / self.scale, self.operator.inverse(inner, exact, floor))
+        return ScaledOperator(1.0 / self.scale, self.operator.inverse(inner, exact, floor), self.nonnegative)
 
     def power(self, p: Any) -> CurvatureOperator:
         p = static_power(p)
         if not (isinstance(p, int) and p >= 1):
             _positive_scale(self.scale, "power")
-        return ScaledOperator(self.scale**p, self.operator.power(p))
+        even = isinstance(p, int) and p % 2 == 0
+        return ScaledOperator(self.scale**p, self.operator.power(p), True if even else self.nonnegative)
+
+    def eigenpairs(self, k: int, key: Any = None, num_iterations: int | None = None) -> tuple[Array, Array]:
+        """The inner operator's top ``k`` pairs, values scaled (scales known >= 0; Lanczos otherwise)."""
+        if self.nonnegative:
+            values, vectors = self.operator.eigenpairs(k, key, num_iterations)
+            return self.scale * values, vectors
+        return super().eigenpairs(k, key, num_iterations)
 
 
-_register(ScaledOperator, ["scale", "operator"], [])
+_register(ScaledOperator, ["scale", "operator"], ["nonnegative"])
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)

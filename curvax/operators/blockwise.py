@@ -33,6 +33,9 @@ from curvax.operators.base import (
     ParameterSpace,
     _register,
     check_damping,
+    check_exact,
+    check_top_k,
+    clamp_null,
     is_concrete,
     is_static_zero,
     static_power,
@@ -242,8 +245,33 @@ class BlockDiagonalOperator(CurvatureOperator):
 
         return jnp.sqrt(self._accumulate(one, lambda ev: jnp.sum(ev**2)))
 
+    def _null_clamped_eigenvalues(self, b: Any, s: Any) -> Array:
+        """A non-Kronecker block's (undamped) eigenvalues with its numerical null space set to 0.
+
+        Diagonal blocks' entries are exact (no decomposition): only negatives are clipped. EKFAC
+        blocks' corrected eigenvalues at or below ``rank_tolerance`` with ``n = max(d_A, d_G)``
+        (the decomposed factors' order), other blocks' with ``n = dim_b``, become 0.
+        """
+        ev = jnp.ravel(b.eigenvalues(s, False))
+        if isinstance(b, (blocks_lib.Diagonal, blocks_lib.ScaledIdentity)):
+            return jnp.maximum(ev, 0)
+        if isinstance(b, blocks_lib.EigenvalueCorrectedKroneckerFactored):
+            # second moments in the factors' eigenbasis: the round-off is the factors' (order max(d_A, d_G))
+            return clamp_null(ev, max(s.inputs_factor.value.shape[0], s.outputs_factor.value.shape[0]))
+        return clamp_null(ev, int(b.dim))
+
     def logdet(self, damping: Any = 0.0) -> Array:
-        """``log det(K + damping I)`` from the blocks' eigenvalues (``-inf`` when singular).
+        """``log det(K + damping I)`` from the blocks' eigenvalues; ``-inf`` when (numerically) singular.
+
+        Numerically singular: every eigendecomposed PSD matrix (a Kronecker block's factors
+        ``A'``, ``G'``; a full block; an EKFAC block's corrected eigenvalues, with ``n`` its
+        factors' larger order) has its eigenvalues at or below
+        ``n * eps * largest`` (``n`` its order, ``eps`` the dtype's machine epsilon:
+        ``base.rank_tolerance``, ``numpy.linalg.matrix_rank``'s rule) set to exactly 0 before the
+        block's damping, power and ``damping`` are applied exactly. So an undamped singular
+        factor gives ``-inf`` (not a finite round-off value or ``nan``) and ``damping > 0``
+        gives the exact ``log(damping)`` on the null space. Factorized operators use the same rule
+        on their cached eigenvalues.
 
         A Kronecker block's eigenvalues are products of its factors' (one eigenvalue
         decomposition of each factor, summed without forming the products). Kronecker blocks
@@ -255,18 +283,21 @@ class BlockDiagonalOperator(CurvatureOperator):
         d = check_damping(damping)
         p = self.exponent
 
+        def factor_values(x: Array) -> Array:
+            return clamp_null(_lean_eigvalsh(x))
+
         def one(b: Any, s: Any, w: Any, mode: str) -> Array:
-            if mode == FACTORED and is_static_zero(d):
-                ea, eg = (_lean_eigvalsh(x) for x in _damped_factors(b, s, w))
-                return p * (eg.size * jnp.sum(jnp.log(ea)) + ea.size * jnp.sum(jnp.log(eg)))
             if mode == FACTORED:
-                ea, eg = (_lean_eigvalsh(x) for x in _damped_factors(b, s, w))
+                a, g = _scaled_factors(b, s)
+                ea, eg = factor_values(a) + w[0], factor_values(g) + w[1]
+                if is_static_zero(d):
+                    return p * (eg.size * jnp.sum(jnp.log(ea)) + ea.size * jnp.sum(jnp.log(eg)))
                 return jnp.sum(jnp.log(_pow(jnp.outer(ea, eg), p) + d))
-            return jnp.sum(jnp.log(self._block_eigenvalues(b, s, w, mode) + d))
+            return jnp.sum(jnp.log(_pow(self._null_clamped_eigenvalues(b, s) + w, p) + d))
 
         def kron(a: Array, g: Array, scale: Array, w: Array) -> Array:
             # (s A (x) G + w I)^p + d I: eigenvalues from the factors', summed fused
-            ea, eg = _lean_eigvalsh(linalg.symmetrize(a)), _lean_eigvalsh(linalg.symmetrize(g))
+            ea, eg = factor_values(linalg.symmetrize(a)), factor_values(linalg.symmetrize(g))
             return jnp.sum(jnp.log(_pow(scale * jnp.outer(ea, eg) + w, p) + d))
 
         total = jnp.zeros([], self.dtype)
@@ -274,7 +305,9 @@ class BlockDiagonalOperator(CurvatureOperator):
         for i, (b, s, w, mode) in enumerate(self._blocks()):
             e = self._eigen(i)
             if e is not None:
-                total = total + jnp.sum(jnp.log(self._cached_values(e, w, mode) + d))
+                sa, qa, sg, qg = e
+                clamped = (clamp_null(sa), qa, clamp_null(sg), qg)
+                total = total + jnp.sum(jnp.log(self._cached_values(clamped, w, mode) + d))
             elif mode == EXACT and _is_kronecker(b):
                 a, g = s.inputs_factor.value, s.outputs_factor.value
                 key = (a.shape, g.shape, str(a.dtype), str(g.dtype))
@@ -295,6 +328,88 @@ class BlockDiagonalOperator(CurvatureOperator):
 
             total = jax.lax.scan(body, total, jnp.arange(len(items)))[0]
         return total
+
+    # --- eigenpairs -------------------------------------------------------------------------
+
+    def _block_eigensystem(self, i: int, b: Any, s: Any, w: Any, mode: str) -> tuple[Array, Any]:
+        """A block's eigenvalues (damped, powered; flat) and ``vector(j)``: the block-shaped
+        parameter list of eigenvector ``j`` (unit norm)."""
+        p = self.exponent
+        if _is_kronecker(b) or isinstance(b, blocks_lib.EigenvalueCorrectedKroneckerFactored):
+            if _is_kronecker(b):
+                e = self._eigen(i)
+                if e is None:
+                    a, g = _scaled_factors(b, s)
+                    sa, qa = linalg.safe_psd_eigh(a)
+                    sg, qg = linalg.safe_psd_eigh(g)
+                    e = (sa, qa, sg, qg)
+                values = self._cached_values(e, w, mode).ravel()
+                qa, qg = e[1], e[3]
+            else:  # EKFAC: the basis in its cache, the corrected eigenvalues
+                qa, qg = s.cache["inputs_factor_eigen_vectors"], s.cache["outputs_factor_eigen_vectors"]
+                values = _pow(jnp.ravel(b.eigenvalues(s, False)) + w, p)
+            dg = qg.shape[1]
+
+            def vector(j: Array, b=b, qa=qa, qg=qg, dg=dg) -> tuple:
+                return b.array_to_parameters_shaped_list(jnp.outer(qa[:, j // dg], qg[:, j % dg]))
+
+            return values, vector
+        shapes = b.parameters_shapes
+        sizes = np.cumsum([int(math.prod(sh)) for sh in shapes])[:-1]
+
+        def split(x: Array, shapes=shapes, sizes=sizes) -> tuple:
+            return tuple(y.reshape(sh) for y, sh in zip(jnp.split(x, sizes), shapes))
+
+        if isinstance(b, (blocks_lib.Diagonal, blocks_lib.ScaledIdentity)):
+            ones = tuple(jnp.ones(sh, b.dtype) for sh in shapes)
+            diag = jnp.concatenate([jnp.ravel(x) for x in b.multiply_matpower(s, ones, w, p, True, False)])
+
+            def unit(j: Array, n=diag.size, dtype=diag.dtype, split=split) -> tuple:
+                return split(jax.nn.one_hot(j, n, dtype=dtype))
+
+            return diag, unit
+        eye = jnp.eye(b.dim, dtype=b.dtype)
+
+        def col(e: Array, b=b, s=s, split=split) -> Array:
+            return jnp.concatenate([jnp.ravel(x) for x in b.multiply_matpower(s, split(e), 0.0, 1, True, False)])
+
+        m = jax.vmap(col, in_axes=1, out_axes=1)(eye)
+        ev, q = jnp.linalg.eigh((m + m.T) / 2)
+        values = _pow(jnp.maximum(ev, 0) + w, p)
+
+        def dense_vector(j: Array, q=q, split=split) -> tuple:
+            return split(q[:, j])
+
+        return values, dense_vector
+
+    def eigenpairs(self, k: int, key: Any = None, num_iterations: int | None = None) -> tuple[Array, Array]:
+        """The ``k`` largest eigenvalues (descending) and unit eigenvectors, exactly.
+
+        Per block: a Kronecker block's pairs are ``(s a_i g_j + w)^p`` with
+        ``vec(q_A,i q_G,j^T)`` from its factors' eigendecompositions (cached by ``factorized()``),
+        an EKFAC block's its corrected eigenvalues in its Kronecker eigenbasis, a diagonal
+        block's its entries with unit vectors, other blocks' from ``eigh`` of their dense matrix.
+        The top ``min(k, dim_b)`` of every block are merged and the largest ``k`` kept. Returns
+        ``(values (k,), vectors (dim, k))``, flat columns (``K.space.unflatten`` gives pytrees).
+        ``key``/``num_iterations`` are unused (no iteration).
+        """
+        k = check_top_k(k, self.dim)
+        zeros = [tuple(jnp.zeros(sh, b.dtype) for sh in b.parameters_shapes) for b in self.estimator.blocks]
+        all_values, all_vectors = [], []
+        for i, (b, s, w, mode) in enumerate(self._blocks()):
+            values, vector = self._block_eigensystem(i, b, s, w, mode)
+            top, idx = jax.lax.top_k(values, min(k, int(values.size)))
+
+            def embed(j: Array, i=i, vector=vector) -> Array:
+                per_block = list(zeros)
+                per_block[i] = vector(j)
+                return self.space.flatten(self._to_tree(tuple(per_block)))
+
+            all_values.append(top)
+            all_vectors.append(jax.vmap(embed)(idx))
+        values = jnp.concatenate(all_values)
+        top, idx = jax.lax.top_k(values, k)
+        return top, jnp.concatenate(all_vectors)[idx].T
 
     def det(self, damping: Any = 0.0) -> Array:
         """``det(K + damping I) = exp(logdet)`` (overflows for large models: prefer ``logdet``)."""
@@ -367,6 +482,7 @@ class BlockDiagonalOperator(CurvatureOperator):
         A singular result (zero damping on a singular block) raises a ValueError when the values
         are concrete; under ``jit`` it gives ``inf``.
         """
+        exact = check_exact(exact)
         floor = check_damping(min_damping, "min_damping")
         if isinstance(damping, (tuple, list)):
             if exact:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from curvax import blocks as blocks_lib
-from curvax import utils
+from curvax import linalg, utils
 from curvax.estimators import BlockDiagonalCurvature
 from curvax.layers.conv import ConvTwoKroneckerFactoredReduce
 from curvax.operators.base import CurvatureOperator
@@ -170,6 +170,40 @@ def block_ctors(kfac_approx: Any = KFACType.EXPAND, separate: bool = True) -> di
     return out
 
 
+def _is_ekfac(block: Any) -> bool:
+    return isinstance(block, blocks_lib.EigenvalueCorrectedKroneckerFactored)
+
+
+def with_kronecker_eigenbasis(estimator: BlockDiagonalCurvature, state: Any) -> Any:
+    """``state`` with every EKFAC block's basis set to its Kronecker factors' eigenvectors and its
+    eigenvalue correction emptied (zero weight), ready to be measured again in that basis.
+
+    The basis is ``(Q_A, Q_G)`` from ``eigh`` of the block's factors ``A``, ``G`` (their scale does
+    not change eigenvectors); other blocks' states are returned unchanged.
+    """
+    states = []
+    for b, s in zip(estimator.blocks, state.blocks_states):
+        if _is_ekfac(b):
+            s = jax.tree_util.tree_map(lambda x: x, s)  # a structural copy
+            _, qa = linalg.safe_psd_eigh(s.inputs_factor.value)
+            _, qg = linalg.safe_psd_eigh(s.outputs_factor.value)
+            s.cache = dict(s.cache or {}, inputs_factor_eigen_vectors=qa, outputs_factor_eigen_vectors=qg)
+            s.eigenvalue_correction = blocks_lib.WeightedMovingAverage.zeros_like(s.eigenvalue_correction.value)
+        states.append(s)
+    return type(state)(tuple(states))
+
+
+def _keep_corrections(estimator: BlockDiagonalCurvature, factors: Any, corrected: Any) -> Any:
+    """``factors``' block states with the EKFAC blocks' basis and corrections from ``corrected``."""
+    states = []
+    for b, f, c in zip(estimator.blocks, factors.blocks_states, corrected.blocks_states):
+        if _is_ekfac(b):
+            f = jax.tree_util.tree_map(lambda x: x, f)
+            f.cache, f.eigenvalue_correction = c.cache, c.eigenvalue_correction
+        states.append(f)
+    return type(factors)(tuple(states))
+
+
 def _batches(data: Any) -> tuple:
     if isinstance(data, list):
         return tuple(data)
@@ -195,6 +229,14 @@ def kfac(
     ``sum_i B_i / num_data``. ``rng`` (a ``jax.random`` key; default ``PRNGKey(0)``) draws the
     MC targets. ``layer_tag_to_block_ctor`` entries override the option's blocks per tag.
     Returns ``from_estimator(estimator, state)`` (``K.estimator``, ``K.state`` hold both).
+
+    EKFAC: with an eigenvalue-corrected block for a tag (``layer_tag_to_block_ctor={"dense":
+    curvax.DenseEigenvalueCorrected}``), the data are read twice, as curvlinops'
+    ``EKFACLinearOperator`` does: the first pass estimates the Kronecker factors ``A``, ``G``; the
+    block's eigenbasis is set to ``Q_A (x) Q_G`` (their eigenvectors); the second pass (the same
+    batches and MC targets) measures the corrected eigenvalues, the gradients' second moments in
+    that basis, ``s = mean_n (Q_A^T V_n Q_G)^2``. The operator is ``(Q_A (x) Q_G) diag(s)
+    (Q_A (x) Q_G)^T`` per such layer (not the diagonal Fisher an identity basis would give).
     """
     ftype = fisher_type_name(fisher_type)
     k = check_mc_samples(mc_samples, ftype)
@@ -214,9 +256,15 @@ def kfac(
     def update(state: Any, batch: Any, size: int, key: Array) -> Any:
         return est.update_curvature_matrix_estimate(state, 1.0, float(size), size, key, (params, batch), estimation_mode=mode)
 
-    for i, (batch, size) in enumerate(zip(batches, sizes)):
-        for j in range(k):
-            state = update(state, batch, size, jax.random.fold_in(jax.random.fold_in(rng, i), j))
+    def run(state: Any) -> Any:
+        for i, (batch, size) in enumerate(zip(batches, sizes)):
+            for j in range(k):
+                state = update(state, batch, size, jax.random.fold_in(jax.random.fold_in(rng, i), j))
+        return state
+
+    state = run(state)
+    if any(_is_ekfac(b) for b in est.blocks):
+        state = _keep_corrections(est, state, run(with_kronecker_eigenbasis(est, state)))
     op = from_estimator(est, state)
     if num_data is not None:
         n = utils.check_int(num_data, "num_data", 1)
