@@ -141,3 +141,22 @@ def test_out_of_range_labels_are_never_absorbed(data, mode):
     # The statistics are exactly those before the invalid batch (the moving average never saw it).
     for a, b in zip(jax.tree_util.tree_leaves(s1.estimator_state), jax.tree_util.tree_leaves(s2.estimator_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_float64_adaptive_damping_with_given_coefficients(x64):
+    # Regression: the quadratic model's change was float64 on adapting steps and float32 (NaN)
+    # on the others, and the step failed to compile.
+    params, batch = models.classifier(16, (5, 7, 4))
+    params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float64), params)
+    batch = (batch[0].astype(jnp.float64), batch[1])
+    opt = curvax.Optimizer(
+        jax.value_and_grad(models.softmax_loss), l2_reg=1e-3, use_adaptive_damping=True, initial_damping=1.0,
+        damping_adaptation_interval=2, num_burnin_steps=0,
+    )
+    state = opt.init(params, jax.random.PRNGKey(0), batch)
+    rhos = []
+    for i in range(4):
+        params, state, s = opt.step(params, state, jax.random.PRNGKey(i), batch=batch, learning_rate=0.1, momentum=0.0)
+        rhos.append(float(s["rho"]))
+    assert np.isnan(rhos[0]) and np.isfinite(rhos[1]) and np.isnan(rhos[2]) and np.isfinite(rhos[3])
+    assert float(state.damping) != 1.0  # it adapted

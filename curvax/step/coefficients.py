@@ -124,4 +124,7 @@ def choose(
     if not cfg.adaptive_damping:
         return coeffs, nan
     model = exact_model if cfg.always_exact_qmodel else approx_model
-    return coeffs, jax.lax.cond(damping_due, lambda: change(model(), coeffs), lambda: nan)
+    predicted = lambda: change(model(), coeffs)
+    # NaN off the adapting steps, in the model's dtype (float64 when the data are float64).
+    off = lambda: jnp.full((), jnp.nan, jax.eval_shape(predicted).dtype)
+    return coeffs, jax.lax.cond(damping_due, predicted, off)
