@@ -98,7 +98,7 @@ def make_distribution(
             from curvax import parallel
 
             mesh = parallel.params_mesh(params)
-        if mesh is None or mesh.size <= 1:
+        if not isinstance(mesh, Mesh) or mesh.size <= 1:  # no mesh, or an abstract one (inside jit)
             return None
     return Distribution(axis_name, None if axis_name is not None else mesh,
                         bool(distributed_inverses), bool(distributed_precon_apply))
