@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from curvax import blocks as blocks_lib
-from curvax import _generations, tags, utils
+from curvax import _generations, distributed, tags, utils
 from curvax.stacked import StackedBlock
 from curvax.transforms import ProcessedJaxpr, _Cache, assemble_layer_data, zero_tangents
 
@@ -204,6 +204,17 @@ def _refresh_cost(block: Any) -> int:
     return int(block.dim)
 
 
+def _apply_cost(block: Any) -> int:
+    """Static cost estimate of one block's product with a vector: ``d_in d_out (d_in + d_out)``
+    for Kronecker blocks (two matrix products), ``dim**2`` for full blocks, ``dim`` otherwise."""
+    if isinstance(block, StackedBlock):
+        return block.length * _apply_cost(block.inner)
+    if isinstance(block, blocks_lib.TwoKroneckerFactored):
+        di, do = int(block.input_size()), int(block.output_size())
+        return di * do * (di + do)
+    return int(block.dim) ** 2 if isinstance(block, blocks_lib.Full) else int(block.dim)
+
+
 def _update_block(block: Any, state: Any, data: Any, ema_old: Any, ema_new: Any, batch_size: Any, pmap_axis_name: Any, identity_weight: Any) -> Any:
     """``block.update_curvature_matrix_estimate`` with every argument named, so that a block
     written for either kfac-jax generation gets what it asks for (``curvax._generations``)."""
@@ -288,27 +299,31 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
           pmap_axis_name: the ``pmap`` axis, where the estimator needs one.
         """
 
-    def multiply(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None, **kwargs: Any) -> Any:
+    def multiply(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None, *, distribution: distributed.Distribution | None = None, **kwargs: Any) -> Any:
         """``(C + identity_weight I) v``: ``multiply_matpower`` with ``power=1``.
 
         ``state``, ``parameter_structured_vector``, ``identity_weight``, ``exact_power``,
-        ``use_cached`` and ``pmap_axis_name`` are those of ``multiply_matpower``; ``kwargs``
-        accepts kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block=None`` only (any
-        other value raises ``NotImplementedError``).
+        ``use_cached``, ``pmap_axis_name`` and ``distribution`` (passed on only when given) are
+        those of ``multiply_matpower``; ``kwargs`` accepts kfac-jax v0.0.8's
+        ``norm_to_scale_identity_weight_per_block=None`` only (any other value raises
+        ``NotImplementedError``).
         """
         _check_no_block_norm(kwargs)
-        return self.multiply_matpower(state, parameter_structured_vector, identity_weight, 1, exact_power, use_cached, pmap_axis_name)
+        extra = {} if distribution is None else {"distribution": distribution}
+        return self.multiply_matpower(state, parameter_structured_vector, identity_weight, 1, exact_power, use_cached, pmap_axis_name, **extra)
 
-    def multiply_inverse(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None, **kwargs: Any) -> Any:
+    def multiply_inverse(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None, *, distribution: distributed.Distribution | None = None, **kwargs: Any) -> Any:
         """``(C + identity_weight I)^-1 v``: ``multiply_matpower`` with ``power=-1``.
 
         ``state``, ``parameter_structured_vector``, ``identity_weight``, ``exact_power``,
-        ``use_cached`` and ``pmap_axis_name`` are those of ``multiply_matpower``; ``kwargs``
-        accepts kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block=None`` only (any
-        other value raises ``NotImplementedError``).
+        ``use_cached``, ``pmap_axis_name`` and ``distribution`` (passed on only when given) are
+        those of ``multiply_matpower``; ``kwargs`` accepts kfac-jax v0.0.8's
+        ``norm_to_scale_identity_weight_per_block=None`` only (any other value raises
+        ``NotImplementedError``).
         """
         _check_no_block_norm(kwargs)
-        return self.multiply_matpower(state, parameter_structured_vector, identity_weight, -1, exact_power, use_cached, pmap_axis_name)
+        extra = {} if distribution is None else {"distribution": distribution}
+        return self.multiply_matpower(state, parameter_structured_vector, identity_weight, -1, exact_power, use_cached, pmap_axis_name, **extra)
 
     @abc.abstractmethod
     def eigenvalues(self, state, use_cached) -> jax.Array:
@@ -379,8 +394,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       auto_register_tags: detect layers automatically. False keeps only the layers registered
         by hand (``curvax.register_dense`` etc.); every other parameter gets a generic block.
         Default True.
-      distributed_multiplies: kfac-jax compatibility, accepted and unused. Default True.
-      distributed_cache_updates: kfac-jax compatibility, accepted and unused. Default True.
+      distributed_multiplies: allow ``multiply_matpower(..., distribution=...)`` to split the
+        products over devices (``curvax.distributed``). Default True.
+      distributed_cache_updates: likewise for ``update_cache``. Default True.
       auto_register_kwargs: further options of the layer detection: ``register_only_generic``
         (generic blocks for everything not registered by hand), ``patterns_to_skip`` (pattern
         names not to match, see ``curvax.detection.known_pattern_names()``) and
@@ -408,6 +424,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         self._cache = _Cache(func, params_index, auto_register_tags=auto_register_tags, **auto_register_kwargs)
         self._blocks: tuple[Any, ...] | None = None
         self._pj: ProcessedJaxpr | None = None
+        self.distributed_multiplies, self.distributed_cache_updates = bool(distributed_multiplies), bool(distributed_cache_updates)
 
     # --- structure ----------------------------------------------------------------
 
@@ -720,7 +737,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             "or another estimation mode."
         )
 
-    def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues, pmap_axis_name=None, **kwargs: Any) -> BlockDiagonalState:
+    def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues, pmap_axis_name=None, distribution=None, **kwargs: Any) -> BlockDiagonalState:
         """Refreshes each block's cache from its current statistics; returns the new state.
 
         The expensive part of preconditioning (eigendecompositions, factor inverses), run every
@@ -735,20 +752,22 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             must have been requested at ``init``.
           approx_powers: likewise for the approximate powers.
           eigenvalues: whether to recompute the cached eigenvalues.
-          pmap_axis_name: kfac-jax compatibility, unused (every device refreshes its own).
+          pmap_axis_name: kfac-jax compatibility, unused.
+          distribution: a ``curvax.distributed.Distribution`` with ``inverses`` on: each device
+            refreshes ~1/N of the blocks (by ``block_refresh_costs``) and shares them; same
+            result. None (default): every device refreshes every block.
           kwargs: kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block`` is accepted
             only as None; another value raises ``NotImplementedError``, another keyword
             ``TypeError``.
         """
         _check_no_block_norm(kwargs)
         self._require_finalized()
-        weights = self._per_block(identity_weight, "identity_weight")
-        return BlockDiagonalState(
-            tuple(
-                b.update_cache(s, w, exact_powers, approx_powers, eigenvalues)
-                for b, s, w in zip(self._blocks, state.blocks_states, weights)  # type: ignore[arg-type]
-            )
-        )
+        refresh = lambda b: lambda sw: b.update_cache(sw[0], sw[1], exact_powers, approx_powers, eigenvalues)
+        on = distribution is not None and distribution.inverses and self.distributed_cache_updates
+        return BlockDiagonalState(tuple(distributed.map_blocks(
+            [refresh(b) for b in self._blocks], list(zip(state.blocks_states, self._per_block(identity_weight, "identity_weight"))),  # type: ignore[union-attr]
+            self.block_refresh_costs(), distribution, on,
+        )))
 
     # --- staggered refresh (ours) ---------------------------------------------------------
 
@@ -770,15 +789,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         go to the lowest phase. A pure function of the block structure: the schedule is
         static, so one compiled step serves every phase.
         """
-        period = utils.check_int(period, "period", 1)
-        costs = self.block_refresh_costs()
-        load = [0] * period
-        phases = [0] * len(costs)
-        for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-            p = min(range(period), key=lambda q: (load[q], q))
-            phases[i] = p
-            load[p] += costs[i]
-        return tuple(phases)
+        return distributed.assign(self.block_refresh_costs(), utils.check_int(period, "period", 1))
 
     def blocks_refreshed_at(self, step: int, period: int) -> tuple[int, ...]:
         """Indices of the blocks whose cache ``update_cache_staggered`` recomputes at ``step`` (ours).
@@ -825,7 +836,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
     # --- products -----------------------------------------------------------------------
 
-    def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power, exact_power, use_cached, pmap_axis_name=None, **kwargs: Any) -> Any:
+    def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power, exact_power, use_cached, pmap_axis_name=None, distribution=None, **kwargs: Any) -> Any:
         """``(C + identity_weight I)^power v``, block by block, shaped like the parameters.
 
         Args:
@@ -842,6 +853,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             ``init``, or a ``ValueError`` says so); False computes from the current statistics.
             Static.
           pmap_axis_name: kfac-jax compatibility, unused.
+          distribution: a ``curvax.distributed.Distribution`` with ``precon_apply`` on: each
+            device multiplies ~1/N of the blocks and shares the products; same result. None
+            (default): every device multiplies every block.
           kwargs: kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block`` is accepted
             only as None; another value raises ``NotImplementedError``.
 
@@ -851,12 +865,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         _check_no_block_norm(kwargs)
         self._require_finalized()
         self._check_state(state)
-        vecs = self.params_vector_to_blocks_vectors(parameter_structured_vector)
-        weights = self._per_block(identity_weight, "identity_weight")
-        out = tuple(
-            b.multiply_matpower(s, v, w, power, exact_power, use_cached)
-            for b, s, v, w in zip(self._blocks, state.blocks_states, vecs, weights)  # type: ignore[arg-type]
-        )
+        operands = zip(state.blocks_states, self.params_vector_to_blocks_vectors(parameter_structured_vector), self._per_block(identity_weight, "identity_weight"))
+        product = lambda b: lambda svw: b.multiply_matpower(svw[0], svw[1], svw[2], power, exact_power, use_cached)
+        on = distribution is not None and distribution.precon_apply and self.distributed_multiplies
+        out = distributed.map_blocks([product(b) for b in self._blocks], list(operands), [_apply_cost(b) for b in self._blocks], distribution, on)  # type: ignore[union-attr]
         return self.blocks_vectors_to_params_vector(out)
 
     def block_eigenvalues(self, state, use_cached) -> tuple[jax.Array, ...]:

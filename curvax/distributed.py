@@ -1,0 +1,329 @@
+"""Distributed curvature work: on N devices each one refreshes and applies ~1/N of the blocks.
+
+Without this, every device of a data-parallel step recomputes every block's decompositions
+(the statistics are the same on all of them after the averaging), so N devices do N times
+the work of one. Here the blocks are dealt to the devices by cost (``assign``: largest first,
+each onto the device with the least work so far), each device runs only its blocks' work
+inside one ``lax.switch`` on its index, and one ``all_gather`` per dtype shares the results;
+every device then unpacks the same full set. The owner runs exactly the computation a single
+device would, and packing, gathering and unpacking only move bits, so the results equal the
+undistributed ones.
+
+Two ways of running on several devices are served (``Distribution``):
+
+* kfac-jax's pmap mode: the caller already runs under ``jax.pmap(axis_name=...)``; the device
+  index is ``lax.axis_index(axis_name)`` and the gather runs over that axis.
+* ``jax.sharding``: the caller runs (typically jitted) on arrays replicated over a ``Mesh``;
+  the work goes through ``shard_map`` over all the mesh's axes, flattened into one device
+  index, with replicated inputs and outputs.
+
+Only the outputs that differ from the inputs are shared: a jaxpr of each block's work tells
+which output leaves are its inputs passed through (a refresh leaves the statistics as they are,
+except EKFAC's eigenvalue correction), and those are taken from the local inputs unsent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+try:  # `jax.shard_map` (JAX >= 0.7); before, the experimental module with its `check_rep` flag
+    _shard_map = jax.shard_map
+    _UNCHECKED: dict[str, bool] = {"check_vma": False}
+except AttributeError:  # pragma: no cover - older JAX
+    from jax.experimental.shard_map import shard_map as _shard_map
+
+    _UNCHECKED = {"check_rep": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Distribution:
+    """Where and which curvature work is split over devices.
+
+    Exactly one of ``axis_name`` (pmap mode: the calls run inside a ``pmap`` over it) and
+    ``mesh`` (sharding path: the arrays are replicated on it) is given.
+
+    Attributes:
+      axis_name: the ``pmap`` axis name, or None.
+      mesh: the ``jax.sharding.Mesh`` the state is replicated on, or None.
+      inverses: split the cache refresh (decompositions, inverses). kfac-jax's
+        ``distributed_inverses``.
+      precon_apply: split the products with the (inverse) curvature. kfac-jax's
+        ``distributed_precon_apply``.
+    """
+
+    axis_name: Any = None
+    mesh: Mesh | None = None
+    inverses: bool = True
+    precon_apply: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.axis_name is None) == (self.mesh is None):
+            raise ValueError("A Distribution needs exactly one of `axis_name` (pmap mode) and `mesh` (sharding).")
+        if self.mesh is not None and not isinstance(self.mesh, Mesh):
+            raise TypeError(f"`mesh` must be a jax.sharding.Mesh, got {type(self.mesh).__name__}.")
+
+    def num_devices(self) -> int:
+        """How many devices share the work here: the mesh's size, or the bound pmap axis's size
+        (1 outside a pmap over ``axis_name``, where the work is not split)."""
+        if self.mesh is not None:
+            return int(self.mesh.size)
+        try:
+            return int(lax.axis_size(self.axis_name)) if hasattr(lax, "axis_size") else int(lax.psum(1, self.axis_name))
+        except NameError:  # not inside a pmap over axis_name: nothing to share with
+            return 1
+
+
+def make_distribution(
+    distributed_inverses: bool, distributed_precon_apply: bool, axis_name: Any = None, params: Any = None,
+    mesh: Mesh | None = None,
+) -> Distribution | None:
+    """The ``Distribution`` an optimizer hands its estimator, or None where nothing is split.
+
+    ``axis_name`` (pmap mode) wins; otherwise the mesh is ``mesh`` or that of ``params``
+    (``curvax.parallel.params_mesh``: every leaf a ``NamedSharding`` on one mesh of several
+    devices). None when both flags are off or there is no axis and no such mesh.
+    """
+    if not (distributed_inverses or distributed_precon_apply):
+        return None
+    if axis_name is None:
+        if mesh is None and params is not None:
+            from curvax import parallel
+
+            mesh = parallel.params_mesh(params)
+        if not isinstance(mesh, Mesh) or mesh.size <= 1:  # no mesh, or an abstract one (inside jit)
+            return None
+    return Distribution(axis_name, None if axis_name is not None else mesh,
+                        bool(distributed_inverses), bool(distributed_precon_apply))
+
+
+def assign(costs: Sequence[float], num_bins: int) -> tuple[int, ...]:
+    """Each item's bin, balancing the bins' summed costs (LPT scheduling).
+
+    Items are taken largest cost first (ties: lowest index) and each goes to the bin with the
+    least cost so far (ties: lowest bin). The largest bin is at most 4/3 of the optimum.
+    A pure function of its arguments, so every device and every trace agrees on it.
+    """
+    if num_bins < 1:
+        raise ValueError(f"`num_bins` must be at least 1, got {num_bins}.")
+    load = [0.0] * num_bins
+    bins = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        b = min(range(num_bins), key=lambda q: (load[q], q))
+        bins[i] = b
+        load[b] += costs[i]
+    return tuple(bins)
+
+
+def map_blocks(
+    fns: Sequence[Callable[[Any], Any]], operands: Sequence[Any], costs: Sequence[float],
+    distribution: Distribution | None, enabled: bool = True,
+) -> list[Any]:
+    """``[fns[i](operands[i]) for i]``, each device computing only the items ``assign`` gives it.
+
+    ``operands[i]`` is a pytree (array leaves are the work's inputs, other leaves are static);
+    ``costs`` weigh the items for ``assign``. With ``distribution`` None, ``enabled`` False, or
+    one device, this is the plain list. Otherwise every device gets the full list, the same
+    numbers as the plain one.
+    """
+    num = distribution.num_devices() if distribution is not None and enabled else 1
+    if num <= 1 or not fns:
+        return [f(x) for f, x in zip(fns, operands)]
+    owners = assign(costs, num)
+    plans = [_Plan.of(f, x) for f, x in zip(fns, operands)]
+    dynamic = [p.dynamic for p in plans]
+    assert distribution is not None
+    if distribution.axis_name is not None:
+        shared = _share(plans, dynamic, owners, num, distribution.axis_name)
+    else:
+        axes = tuple(distribution.mesh.axis_names)  # type: ignore[union-attr]
+        run = lambda dyn: _share(plans, dyn, owners, num, axes)
+        spec = PartitionSpec()
+        shared = _shard_map(run, mesh=distribution.mesh, in_specs=(spec,), out_specs=spec, **_UNCHECKED)(dynamic)
+    return [p.assemble(s, d) for p, s, d in zip(plans, shared, dynamic)]
+
+
+# --- the mechanism ---------------------------------------------------------------------------
+
+
+def _transport_dtype(dtype: Any) -> Any:
+    """The dtype a leaf travels in: its own, but ``bool`` as ``uint8`` (gathered everywhere)."""
+    return np.dtype(np.uint8) if np.dtype(dtype) == np.bool_ else np.dtype(dtype)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One item's work, analysed once: its dynamic inputs and which outputs must travel."""
+
+    fn: Callable[[Any], Any]
+    treedef: Any  # of the operand
+    static: list  # operand leaves, None where dynamic
+    dynamic: list  # the operand's array leaves
+    out_treedef: Any
+    out_shapes: list  # ShapeDtypeStruct per output leaf
+    forwarded: list  # per output leaf: index into ``dynamic`` it passes through, or None
+
+    @classmethod
+    def of(cls, fn: Callable[[Any], Any], operand: Any) -> "_Plan":
+        leaves, treedef = jax.tree_util.tree_flatten(operand)
+        is_dyn = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+        static = [None if d else x for x, d in zip(leaves, is_dyn)]
+        dynamic = [x for x, d in zip(leaves, is_dyn) if d]
+        plan = cls(fn, treedef, static, dynamic, None, [], [])
+        closed, out = jax.make_jaxpr(lambda *dyn: fn(plan.operand(dyn)), return_shape=True)(*dynamic)
+        out_leaves, plan.out_treedef = jax.tree_util.tree_flatten(out)
+        plan.out_shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves]
+        position = {id(v): k for k, v in enumerate(closed.jaxpr.invars)}
+        plan.forwarded = [position.get(id(v)) for v in closed.jaxpr.outvars]
+        return plan
+
+    def operand(self, dynamic: Sequence[Any]) -> Any:
+        """The operand rebuilt from its dynamic leaves and the static ones."""
+        it = iter(dynamic)
+        return jax.tree_util.tree_unflatten(self.treedef, [next(it) if s is None else s for s in self.static])
+
+    def sent(self) -> list[int]:
+        """Indices of the output leaves that travel (computed, not passed through)."""
+        return [j for j, f in enumerate(self.forwarded) if f is None]
+
+    def assemble(self, shared: Sequence[Any], dynamic: Sequence[Any]) -> Any:
+        """The full output from the travelled leaves ``shared`` and the local inputs ``dynamic``."""
+        it = iter(shared)
+        leaves = [next(it) if f is None else dynamic[f] for f in self.forwarded]
+        return jax.tree_util.tree_unflatten(self.out_treedef, leaves)
+
+
+def _share(plans: Sequence[_Plan], dynamic: Sequence[Sequence[Any]], owners: Sequence[int], num: int, axis: Any) -> list[list[Any]]:
+    """Inside the device context: run this device's items, gather, unpack everyone's.
+
+    Each device packs its items' travelling outputs into one flat buffer per transport dtype,
+    padded to the longest device's length so every branch of the ``switch`` has one shape.
+    Returns, per item, its travelling output leaves.
+    """
+    dtypes: list[Any] = []
+    for p in plans:
+        for j in p.sent():
+            t = _transport_dtype(p.out_shapes[j].dtype)
+            if t not in dtypes:
+                dtypes.append(t)
+    # Static layout: (dtype, offset, size) of each travelling leaf in its owner's buffer.
+    fill = [{t: 0 for t in dtypes} for _ in range(num)]
+    where: list[list[tuple[Any, int, int]]] = []
+    for p, d in zip(plans, owners):
+        spots = []
+        for j in p.sent():
+            t, size = _transport_dtype(p.out_shapes[j].dtype), int(np.prod(p.out_shapes[j].shape, dtype=int))
+            spots.append((t, fill[d][t], size))
+            fill[d][t] += size
+        where.append(spots)
+    length = {t: max(f[t] for f in fill) for t in dtypes}
+
+    def branch(device: int) -> Callable[[Any], tuple]:
+        def run(dyn: Sequence[Sequence[Any]]) -> tuple:
+            parts: dict[Any, list] = {t: [] for t in dtypes}
+            for p, d, x in zip(plans, owners, dyn):
+                if d != device:
+                    continue
+                out = jax.tree_util.tree_leaves(p.fn(p.operand(x)))
+                for j in p.sent():
+                    parts[_transport_dtype(p.out_shapes[j].dtype)].append(jnp.ravel(out[j]).astype(_transport_dtype(out[j].dtype)))
+            return tuple(
+                jnp.concatenate(parts[t] + [jnp.zeros(length[t] - sum(x.size for x in parts[t]), t)]) for t in dtypes
+            )
+
+        return run
+
+    if not dtypes:
+        return [[] for _ in plans]
+    local = lax.switch(lax.axis_index(axis), [branch(d) for d in range(num)], dynamic)
+    gathered = dict(zip(dtypes, lax.all_gather(local, axis)))  # each (num, length)
+    out = []
+    for p, d, spots in zip(plans, owners, where):
+        leaves = []
+        for j, (t, offset, size) in zip(p.sent(), spots):
+            shape = p.out_shapes[j]
+            leaves.append(gathered[t][d, offset:offset + size].reshape(shape.shape).astype(shape.dtype))
+        out.append(leaves)
+    return out
+
+
+# --- reading compiled programs (to check what a step communicates and who computes what) -----
+
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_ARRAY_TYPE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation|branch_computations)=\{?([^}\s]*(?:,\s*%[\w.\-]+)*)\}?")
+
+
+def _element_bytes(dtype: str) -> int:
+    if dtype == "pred":
+        return 1
+    return {"bf16": 2, "c64": 8, "c128": 16}.get(dtype, int(dtype[1:]) // 8 if dtype[1:].isdigit() else 0)
+
+
+def hlo_collectives(hlo_text: str) -> list[dict[str, Any]]:
+    """Every collective of a compiled HLO module (``.compile().as_text()``), with its result's bytes.
+
+    One entry per op (an async ``*-start`` counts once, its ``*-done`` not): ``op`` (e.g.
+    ``"all-gather"``), ``shapes`` (e.g. ``["f32[4,1024]"]``) and ``bytes`` (of the result, per
+    device). For checking which communication a distributed step adds.
+    """
+    out = []
+    for line in hlo_text.splitlines():
+        m = re.search(r"=\s*(.*?)\s+(" + "|".join(_COLLECTIVES) + r")(-start)?\(", line)
+        if m is None:
+            continue
+        types = _ARRAY_TYPE.findall(m.group(1))
+        size = sum(_element_bytes(t) * int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) for t, dims in types)
+        out.append({"op": m.group(2), "shapes": [f"{t}[{dims}]" for t, dims in types], "bytes": int(size)})
+    return out
+
+
+def hlo_branch_custom_calls(hlo_text: str, target: str) -> list[list[int]]:
+    """For each conditional of a compiled HLO module: per branch, how many custom calls whose target
+    contains ``target`` (e.g. ``"syevd"``, LAPACK's eigendecomposition) it runs, nested calls included.
+
+    A distributed refresh compiles to one conditional with a branch per device: each device
+    runs only its branch, so this shows how many decompositions each device does.
+    """
+    bodies: dict[str, list[str]] = {}
+    name = None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m is not None:
+            name = m.group(1)
+            bodies[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            bodies[name].append(line)
+
+    def called(line: str) -> list[str]:
+        return [c.strip().lstrip("%") for group in _CALLED.findall(line) for c in group.split(",") if c.strip()]
+
+    memo: dict[str, int] = {}
+
+    def count(comp: str) -> int:
+        if comp not in memo:
+            memo[comp] = 0  # guards against cycles
+            memo[comp] = sum(
+                (f'custom_call_target="' in line and target in line.split('custom_call_target="')[1].split('"')[0])
+                + sum(count(c) for c in called(line) if c in bodies)
+                for line in bodies.get(comp, [])
+            )
+        return memo[comp]
+
+    result = []
+    for lines in bodies.values():
+        for line in lines:
+            m = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if m is not None and " conditional(" in line:
+                result.append([count(c.strip().lstrip("%")) for c in m.group(1).split(",")])
+    return result
