@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k test_utils)")
     args = ap.parse_args(argv)
 
+    head = _git_head()  # the curvax under test: this checkout as the run starts
     tmp = Path(tempfile.mkdtemp(prefix="kfac_jax_tests_"))
     try:
         commit = export_tests(args.kfac_jax_repo, args.ref, tmp)
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "description": "kfac-jax's own tests (tests/ at the ref below), run with `kfac_jax` resolving to curvax",
         "kfac_jax_tests_ref": args.ref,
         "kfac_jax_tests_commit": commit,
-        "curvax_commit": _git_head(),
+        "curvax_commit": head,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions,
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
