@@ -337,9 +337,14 @@ def test_vmc_finds_the_hydrogen_ground_state_energy(rule):
 # --- 2. custom gradients in every framework: one step is the dense formula with the user's g -----
 
 
+# Run by default in every framework: a custom VJP, a custom JVP (straight-through) and a
+# hand-written value_and_grad_func; every case in plain JAX; the rest slow.
+EVERY_FRAMEWORK = ("custom_vjp_clipped", "straight_through", "hand_written")
+
+
 def _case(framework: str, case: str) -> Any:
-    """Every case in plain JAX and the custom VJP in every framework by default; the rest slow."""
-    default = framework == "plain_jax" or case == "custom_vjp_clipped"
+    """The cases of ``EVERY_FRAMEWORK`` in every framework and every case in plain JAX by default."""
+    default = framework == "plain_jax" or case in EVERY_FRAMEWORK
     return pytest.param(framework, case, id=f"{framework}-{case}", marks=() if default else pytest.mark.slow)
 
 

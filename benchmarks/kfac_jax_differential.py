@@ -1,0 +1,346 @@
+"""Differential test: the same K-FAC steps with kfac-jax 0.0.8 and with curvax, in float64.
+
+Each backend runs in a child process of its own (``--child kfac_jax`` imports the released
+kfac-jax; ``--child curvax`` does ``import curvax as kfac_jax``), with the same model code, the
+same float64 initial parameters and batches (NumPy, seeded), the same PRNG keys per step and the
+same optimizer arguments (burn-in batches read from the same ``data_iterator``). Each child writes, per configuration and step, the loss, the
+optimizer's learning rate, momentum and damping, and every parameter (as exact float64 numbers);
+the parent compares them and writes, per configuration and step, the largest absolute parameter
+difference ``max |p_curvax - p_kfac_jax|``, the relative one (that divided by ``max |p_kfac_jax|``),
+the largest elementwise relative difference, and both losses.
+
+Configurations (``CONFIGS``): an MLP (tanh, softmax cross-entropy) and a CNN (conv, LayerNorm
+as normalise-then-``x * scale + shift``, ReLU, average pooling, dense, softmax cross-entropy),
+both in plain JAX so that kfac-jax's automatic registration and curvax's detection see the same
+program; fixed coefficients (``learning_rate``/``momentum``/``damping`` passed to ``step``) and
+adaptive ones (``use_adaptive_learning_rate``/``momentum``/``damping``); exact curvature
+(``ggn_exact``, ``fisher_exact``) and sampled (``fisher_gradients``: labels drawn from the model;
+``ggn_curvature_prop`` and ``fisher_curvature_prop``: curvature propagation with random sign
+vectors), with the same step keys in both.
+
+kfac-jax 0.0.8 needs JAX <= 0.9.1 (its jaxpr interpreter fails on newer JAX); run this script with
+the interpreter of such an environment, with curvax importable (this checkout is put on the
+children's ``PYTHONPATH``)::
+
+    python3 -m venv /tmp/kfj && /tmp/kfj/bin/pip install "jax==0.9.0" "jaxlib==0.9.0" kfac-jax==0.0.8 optax
+    /tmp/kfj/bin/python benchmarks/kfac_jax_differential.py           # ~3 minutes on 2 CPU cores
+    /tmp/kfj/bin/python benchmarks/kfac_jax_differential.py --configs mlp_fixed_ggn --steps 3
+
+``--curvax-python`` runs the curvax child with another interpreter (e.g. a newer JAX): the
+numbers then include the two JAX versions' own rounding differences. Results go to
+``benchmarks/results/kfac_jax_differential.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+# name -> model, coefficients (fixed: passed to step; adaptive: the optimizer's own), estimation mode.
+CONFIGS: dict[str, dict[str, Any]] = {
+    # Exact curvature: no randomness in the step, so the runs must agree to rounding.
+    "mlp_fixed_ggn_exact": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact"),
+    "mlp_adaptive_ggn_exact": dict(model="mlp", mode="adaptive", estimation_mode="ggn_exact"),
+    "mlp_fixed_fisher_exact": dict(model="mlp", mode="fixed", estimation_mode="fisher_exact"),
+    "mlp_adaptive_fisher_exact": dict(model="mlp", mode="adaptive", estimation_mode="fisher_exact"),
+    "cnn_ln_fixed_ggn_exact": dict(model="cnn_ln", mode="fixed", estimation_mode="ggn_exact"),
+    "cnn_ln_adaptive_ggn_exact": dict(model="cnn_ln", mode="adaptive", estimation_mode="ggn_exact"),
+    # The same with coefficients that float32 represents exactly (FLOAT32_NOTE): powers of two, and
+    # adaptive damping multiplied or divided by 2 (damping_adaptation_decay=0.5).
+    "mlp_fixed_ggn_exact_binary_coefficients": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", fixed=dict(learning_rate=0.0625, momentum=0.5, damping=0.125)),
+    "cnn_ln_fixed_ggn_exact_binary_coefficients": dict(model="cnn_ln", mode="fixed", estimation_mode="ggn_exact", fixed=dict(learning_rate=0.0625, momentum=0.5, damping=0.125)),
+    "mlp_adaptive_ggn_exact_binary_damping": dict(model="mlp", mode="adaptive", estimation_mode="ggn_exact", optimizer=dict(damping_adaptation_decay=0.5)),
+    "cnn_ln_adaptive_ggn_exact_binary_damping": dict(model="cnn_ln", mode="adaptive", estimation_mode="ggn_exact", optimizer=dict(damping_adaptation_decay=0.5)),
+    # Sampled curvature, the same step keys: equal only where both libraries draw the same samples.
+    "mlp_fixed_fisher_gradients": dict(model="mlp", mode="fixed", estimation_mode="fisher_gradients"),
+    "mlp_fixed_ggn_curvature_prop": dict(model="mlp", mode="fixed", estimation_mode="ggn_curvature_prop"),
+    "mlp_fixed_fisher_curvature_prop": dict(model="mlp", mode="fixed", estimation_mode="fisher_curvature_prop"),
+    "mlp_adaptive_fisher_gradients": dict(model="mlp", mode="adaptive", estimation_mode="fisher_gradients"),
+    "cnn_ln_fixed_fisher_gradients": dict(model="cnn_ln", mode="fixed", estimation_mode="fisher_gradients"),
+    # The same sampled runs with kfac-jax handed, each step, the key curvax's estimator samples with
+    # (KEY_ALIGNMENT), and no burn-in (whose keys the two libraries also derive differently).
+    "mlp_fixed_fisher_gradients_keys_aligned": dict(model="mlp", mode="fixed", estimation_mode="fisher_gradients", align_keys=True),
+    "mlp_fixed_ggn_curvature_prop_keys_aligned": dict(model="mlp", mode="fixed", estimation_mode="ggn_curvature_prop", align_keys=True),
+    "mlp_adaptive_fisher_gradients_keys_aligned": dict(model="mlp", mode="adaptive", estimation_mode="fisher_gradients", align_keys=True),
+    "cnn_ln_fixed_fisher_gradients_keys_aligned": dict(model="cnn_ln", mode="fixed", estimation_mode="fisher_gradients", align_keys=True),
+}
+FLOAT32_NOTE = (
+    "curvax keeps the step's coefficients in float32 under jax_enable_x64 (optimizer._as_float casts a given "
+    "learning_rate/momentum/damping to float32; OptimizerState.damping is float32), kfac-jax 0.0.8 in float64: "
+    "0.05 and 0.1 then differ by ~1.5e-8 relative, and the parameters by ~1e-9. Coefficients that float32 "
+    "represents exactly (the *_binary_* runs) remove the difference."
+)
+KEY_ALIGNMENT = (
+    "With the same step key both libraries sample with different keys: kfac-jax 0.0.8 gives its estimator the "
+    "step's key itself (optimizer._step, value_func_has_rng=False) and, with one registered loss, samples with "
+    "that key unsplit (block_diagonal.py: `jax.random.split(rng_i, len(losses)) if len(losses) > 1 else "
+    "[rng_i]`); curvax splits the step key (`k_est, k_func = jax.random.split(rng)`, optimizer._step_impl) and "
+    "splits again per loss, one loss included (`jax.random.split(rng, max(len(losses), 1))`, "
+    "estimators.loss_cotangents). The burn-in keys differ likewise. The *_keys_aligned runs hand kfac-jax "
+    "`split(split(key)[0], 1)[0]` and use num_burnin_steps=0, so that both draw the same samples."
+)
+SAMPLED = {"fisher_gradients", "fisher_curvature_prop", "ggn_curvature_prop"}  # curvature propagation: random signs
+
+BATCH = 16
+CLASSES = 4
+FIXED = dict(learning_rate=0.05, momentum=0.5, damping=0.1)
+
+
+# --- the child: one backend, every configuration ------------------------------------------
+
+
+def _models(jnp, jax):
+    """``init(rng) -> params`` (NumPy float64) and ``loss(params, batch)`` per model; ``batch(i)``."""
+    import numpy as np
+
+    def dense_init(rng, n_in, n_out):
+        return {"w": rng.normal(size=(n_in, n_out)) / np.sqrt(n_in), "b": 0.1 * rng.normal(size=(n_out,))}
+
+    def mlp_init(rng):
+        return {"l0": dense_init(rng, 6, 12), "l1": dense_init(rng, 12, 8), "l2": dense_init(rng, 8, CLASSES)}
+
+    def mlp_logits(p, x):
+        h = jnp.tanh(x @ p["l0"]["w"] + p["l0"]["b"])
+        h = jnp.tanh(h @ p["l1"]["w"] + p["l1"]["b"])
+        return h @ p["l2"]["w"] + p["l2"]["b"]
+
+    def cnn_init(rng):
+        return {
+            "conv": {"w": rng.normal(size=(3, 3, 2, 4)) / np.sqrt(18), "b": 0.1 * rng.normal(size=(4,))},
+            "ln": {"scale": 1.0 + 0.1 * rng.normal(size=(4,)), "shift": 0.1 * rng.normal(size=(4,))},
+            "out": dense_init(rng, 4 * 3 * 3, CLASSES),
+        }
+
+    def cnn_logits(p, x):
+        y = jax.lax.conv_general_dilated(x, p["conv"]["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        y = y + p["conv"]["b"]
+        mean = jnp.mean(y, axis=-1, keepdims=True)
+        var = jnp.mean((y - mean) ** 2, axis=-1, keepdims=True)
+        y = (y - mean) * jax.lax.rsqrt(var + 1e-5)
+        y = y * p["ln"]["scale"] + p["ln"]["shift"]
+        y = jax.nn.relu(y)
+        y = jax.lax.reduce_window(y, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4.0
+        y = y.reshape(y.shape[0], -1)
+        return y @ p["out"]["w"] + p["out"]["b"]
+
+    def batch(model, step):
+        rng = np.random.default_rng(1000 + step)
+        x = rng.normal(size=(BATCH, 6)) if model == "mlp" else rng.normal(size=(BATCH, 6, 6, 2))
+        return jnp.asarray(x), jnp.asarray(rng.integers(0, CLASSES, size=(BATCH,)))
+
+    return {"mlp": (mlp_init, mlp_logits), "cnn_ln": (cnn_init, cnn_logits)}, batch
+
+
+def run_child(backend: str, configs: list[str], steps: int, out_path: Path, overrides: dict[str, Any]) -> None:
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    import numpy as np
+
+    if backend == "curvax":
+        import curvax
+
+        sys.modules["kfac_jax"] = curvax
+    import kfac_jax
+
+    models, make_batch = _models(jnp, jax)
+    results: dict[str, Any] = {"backend": backend, "module": kfac_jax.__name__, "jax": jax.__version__}
+    try:
+        import importlib.metadata as md
+
+        results["kfac_jax_version"] = md.version("kfac-jax")
+    except Exception:  # noqa: BLE001
+        results["kfac_jax_version"] = None
+    results["configs"] = {}
+    for name in configs:
+        cfg = CONFIGS[name]
+        init, logits_fn = models[cfg["model"]]
+
+        def loss_fn(params, batch, logits_fn=logits_fn):
+            x, y = batch
+            logits = logits_fn(params, x)
+            kfac_jax.register_softmax_cross_entropy_loss(logits, y)
+            logp = jax.nn.log_softmax(logits)
+            return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+        params = jax.tree_util.tree_map(jnp.asarray, init(np.random.default_rng(0)))
+        adaptive = cfg["mode"] == "adaptive"
+        kwargs = dict(
+            value_and_grad_func=jax.value_and_grad(loss_fn),
+            l2_reg=1e-4,
+            use_adaptive_learning_rate=adaptive,
+            use_adaptive_momentum=adaptive,
+            use_adaptive_damping=adaptive,
+            initial_damping=1.0 if adaptive else None,
+            damping_adaptation_interval=2,
+            estimation_mode=cfg["estimation_mode"],
+            curvature_ema=0.9,
+            inverse_update_period=1,
+            num_burnin_steps=2,
+            multi_device=False,
+        )
+        kwargs.update(cfg.get("optimizer", {}))
+        kwargs.update(overrides)
+        align = cfg.get("align_keys", False)
+        if align:
+            kwargs["num_burnin_steps"] = 0
+        rec: dict[str, Any] = {"steps": []}
+        try:
+            opt = kfac_jax.Optimizer(**kwargs)
+            state = opt.init(params, jax.random.PRNGKey(42), make_batch(cfg["model"], 0))
+            rec["step0_params"] = [float(v) for v in np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(params)])]
+            # One stream of batches, read through ``data_iterator`` (kfac-jax takes the burn-in
+            # batches from it on the first step): batches 0..num_burnin_steps-1 for the burn-in.
+            batches = (make_batch(cfg["model"], j) for j in itertools.count())
+            for i in range(steps):
+                key = jax.random.fold_in(jax.random.PRNGKey(7), i)
+                if align and backend == "kfac_jax":  # the key curvax's estimator samples with (KEY_ALIGNMENT)
+                    key = jax.random.split(jax.random.split(key)[0], 1)[0]
+                step_kw = {} if adaptive else dict(cfg.get("fixed", FIXED))
+                params, state, stats = opt.step(params, state, key, data_iterator=batches, **step_kw)
+                flat = np.concatenate([np.ravel(np.asarray(a)) for a in jax.tree_util.tree_leaves(params)])
+                row = {"params": [float(v) for v in flat]}
+                for k in ("loss", "learning_rate", "momentum", "damping"):
+                    if k in stats:
+                        row[k] = float(np.asarray(stats[k]))
+                rec["steps"].append(row)
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {e}"
+            rec["traceback"] = traceback.format_exc()[-3000:]
+        results["configs"][name] = rec
+    out_path.write_text(json.dumps(results))
+
+
+# --- the parent ---------------------------------------------------------------------------
+
+
+def _child(python: str, backend: str, configs: list[str], steps: int, tmp: Path, overrides: str) -> dict[str, Any]:
+    out = tmp / f"{backend}.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    cmd = [python, str(Path(__file__).resolve()), "--child", backend, "--steps", str(steps), "--out", str(out),
+           "--overrides", overrides, "--configs", *configs]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode != 0 or not out.exists():
+        raise SystemExit(f"{backend} child failed (exit {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
+    data = json.loads(out.read_text())
+    data["wall_s"] = round(time.perf_counter() - t0, 1)
+    return data
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Per-step differences of ``b`` (curvax) against ``a`` (kfac-jax)."""
+    import numpy as np
+
+    if "error" in a or "error" in b:
+        return {"error_kfac_jax": a.get("error"), "error_curvax": b.get("error"),
+                "traceback_curvax": b.get("traceback"), "traceback_kfac_jax": a.get("traceback")}
+    rows = []
+    for i, (ra, rb) in enumerate(zip(a["steps"], b["steps"])):
+        pa, pb = np.asarray(ra["params"]), np.asarray(rb["params"])
+        diff = np.abs(pb - pa)
+        row = {
+            "step": i + 1,
+            "max_abs_param_diff": float(diff.max()),
+            "max_rel_param_diff": float(diff.max() / np.abs(pa).max()),
+            "max_elementwise_rel_param_diff": float(np.max(diff / np.maximum(np.abs(pa), 1e-300))),
+            "loss_kfac_jax": ra.get("loss"),
+            "loss_curvax": rb.get("loss"),
+        }
+        for k in ("learning_rate", "momentum", "damping"):
+            if k in ra or k in rb:
+                row[f"{k}_kfac_jax"], row[f"{k}_curvax"] = ra.get(k), rb.get(k)
+        rows.append(row)
+    p0a, p0b = np.asarray(a["step0_params"]), np.asarray(b["step0_params"])
+    return {
+        "initial_params_identical": bool(np.array_equal(p0a, p0b)),
+        "num_params": int(p0a.size),
+        "steps": rows,
+        "max_abs_param_diff": max(r["max_abs_param_diff"] for r in rows),
+        "max_rel_param_diff": max(r["max_rel_param_diff"] for r in rows),
+        "param_update_size": float(np.abs(np.asarray(a["steps"][-1]["params"]) - p0a).max()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--python", default=sys.executable, help="interpreter with kfac-jax 0.0.8 (JAX <= 0.9.1)")
+    ap.add_argument("--curvax-python", default=None, help="interpreter for the curvax child (default: --python)")
+    ap.add_argument("--output", type=Path, default=REPO / "benchmarks/results/kfac_jax_differential.json")
+    ap.add_argument("--overrides", default="{}", help="JSON of optimizer arguments replacing the defaults in every configuration")
+    ap.add_argument("--child", choices=["kfac_jax", "curvax"], help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        run_child(args.child, args.configs, args.steps, args.out, json.loads(args.overrides))
+        return 0
+
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kfac_jax_diff_") as tmp:
+        ref = _child(args.python, "kfac_jax", args.configs, args.steps, Path(tmp), args.overrides)
+        cur = _child(args.curvax_python or args.python, "curvax", args.configs, args.steps, Path(tmp), args.overrides)
+    if ref["module"] != "kfac_jax" or cur["module"] != "curvax":
+        raise SystemExit(f"the children imported {ref['module']} and {cur['module']}")
+    results = {}
+    for name in args.configs:
+        res = {"align_keys": False, **CONFIGS[name], "sampled": CONFIGS[name]["estimation_mode"] in SAMPLED}
+        res.update(compare(ref["configs"][name], cur["configs"][name]))
+        results[name] = res
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        head = None
+    out = {
+        "description": "same K-FAC steps (float64, same init, batches and step keys) with kfac-jax 0.0.8 and curvax; "
+        "per step the largest parameter difference of curvax from kfac-jax",
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "curvax_commit": head,
+        "versions": {"kfac_jax": ref["kfac_jax_version"], "jax_kfac_jax_child": ref["jax"], "jax_curvax_child": cur["jax"],
+                     "python": platform.python_version()},
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "load_average_before": load_before,
+                    "load_average_after": os.getloadavg()},
+        "runtime_s": {"total": round(time.perf_counter() - t0, 1), "kfac_jax_child": ref["wall_s"], "curvax_child": cur["wall_s"]},
+        "settings": {"overrides": json.loads(args.overrides), "steps": args.steps, "batch_size": BATCH, "classes": CLASSES, "fixed_step_arguments": FIXED,
+                     "l2_reg": 1e-4, "curvature_ema": 0.9, "inverse_update_period": 1, "num_burnin_steps": 2,
+                     "damping_adaptation_interval": 2, "initial_damping_adaptive": 1.0, "init_rng": "PRNGKey(42)",
+                     "step_rng": "fold_in(PRNGKey(7), step)"},
+        "sampling_keys": KEY_ALIGNMENT,
+        "float32_coefficients": FLOAT32_NOTE,
+        "summary": {n: {"max_abs_param_diff": r.get("max_abs_param_diff"), "max_rel_param_diff": r.get("max_rel_param_diff"),
+                        "sampled": r["sampled"], "error": r.get("error_curvax") or r.get("error_kfac_jax")}
+                    for n, r in results.items()},
+        "configs": results,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"{'configuration':34s} {'max |dp|':>10s} {'max rel':>10s}  update size")
+    for n, r in results.items():
+        if "steps" not in r:
+            print(f"{n:34s} error: curvax {r.get('error_curvax')} | kfac-jax {r.get('error_kfac_jax')}")
+            continue
+        print(f"{n:34s} {r['max_abs_param_diff']:10.2e} {r['max_rel_param_diff']:10.2e}  {r['param_update_size']:.2e}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
