@@ -24,14 +24,14 @@ PACKAGE = ROOT / "curvax"
 # below it, never of a layer above it. An entry names a module and, when it is a package, its
 # submodules (the root package names only its own ``__init__``). Every module must be in one.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", ("curvax._compat", "curvax.linalg", "curvax.utils", "curvax._generations")),
+    ("foundation", ("curvax._compat", "curvax.linalg", "curvax.utils", "curvax.parallel", "curvax._generations")),
     ("tags and losses", ("curvax.tags", "curvax.losses")),
     ("tracing", ("curvax.tracing",)),
     ("detection", ("curvax.detection", "curvax.transforms", "curvax.patterns")),
     ("blocks", ("curvax.blocks", "curvax.stacked", "curvax.layers")),
-    ("estimators", ("curvax.estimators",)),
+    ("estimators", ("curvax.distributed", "curvax.estimators")),
     ("optimizer, preconditioner, operators, laplace", (
-        "curvax.gradients", "curvax.parallel", "curvax.step", "curvax.optimizer", "curvax.preconditioner",
+        "curvax.gradients", "curvax.step", "curvax.optimizer", "curvax.preconditioner",
         "curvax.operators", "curvax.laplace", "curvax.checkpoint",
     )),
     ("kfac-jax names", ("curvax.kfac_api", "curvax.kfac_ferminet_alpha")),

@@ -34,6 +34,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from curvax import parallel
+
 try:  # `jax.shard_map` (JAX >= 0.7); before, the experimental module with its `check_rep` flag
     _shard_map = jax.shard_map
     _UNCHECKED: dict[str, bool] = {"check_vma": False}
@@ -95,8 +97,6 @@ def make_distribution(
         return None
     if axis_name is None:
         if mesh is None and params is not None:
-            from curvax import parallel
-
             mesh = parallel.params_mesh(params)
         if not isinstance(mesh, Mesh) or mesh.size <= 1:  # no mesh, or an abstract one (inside jit)
             return None

@@ -384,8 +384,6 @@ class CurvatureOperator:
         ``num_iterations`` steps; exact when equal to ``dim``). Block-diagonal, dense, scaled and
         identity operators override this with exact closed forms (``key``/``num_iterations`` unused).
         """
-        from curvax.operators.stochastic import lanczos_eigenpairs
-
         return lanczos_eigenpairs(self, k, key, num_iterations)
 
     def power(self, p: Any) -> "CurvatureOperator":
@@ -737,3 +735,80 @@ class ProductOperator(_Composite):
 
 
 _register(ProductOperator, ["operators"], [])
+
+
+# Lanczos eigenpairs: the default ``eigenpairs`` of matrix-free operators (also public as
+# ``curvax.operators.lanczos_eigenpairs``); here, beside the base class, so that the operators
+# need no import of the stochastic estimators.
+
+def _lanczos_basis(operator: "CurvatureOperator", key: Array, m: int) -> tuple[Array, Array, Array]:
+    """``m`` Lanczos steps from a random start with full re-orthogonalisation (twice per step).
+
+    On breakdown (an invariant subspace found, ``beta`` below ``dim * eps`` times the largest
+    ``|alpha|``), the next vector is a fresh random one orthogonalised against the basis, with
+    ``beta = 0``: the tridiagonal matrix then splits and the basis still grows to ``m``
+    orthonormal vectors. Returns the basis ``(m, dim)``, ``alpha`` ``(m,)`` and ``beta`` ``(m - 1,)``.
+    """
+    dim, dtype = operator.dim, operator.dtype
+    k0, k1 = jax.random.split(key)
+    v0 = jax.random.normal(k0, (dim,), dtype)
+    basis = jnp.zeros((m, dim), dtype).at[0].set(v0 / jnp.linalg.norm(v0))
+    eps = jnp.finfo(dtype).eps
+
+    def orth(w: Array, basis: Array) -> Array:
+        for _ in range(2):
+            w = w - basis.T @ (basis @ w)
+        return w
+
+    def step(i: Array, carry: tuple) -> tuple:
+        basis, alpha, beta = carry
+        v = basis[i]
+        w = operator.mv(v)
+        a = jnp.dot(w, v)
+        alpha = alpha.at[i].set(a)
+        w = orth(w, basis)
+        b = jnp.linalg.norm(w)
+        broke = b <= dim * eps * jnp.maximum(jnp.max(jnp.abs(alpha)), jnp.finfo(dtype).tiny)
+        fresh = orth(jax.random.normal(jax.random.fold_in(k1, i), (dim,), dtype), basis)
+        nxt = jnp.where(broke, fresh / jnp.linalg.norm(fresh), w / jnp.where(broke, 1, b))
+        basis = jnp.where(i + 1 < m, basis.at[jnp.minimum(i + 1, m - 1)].set(nxt), basis)
+        return basis, alpha, beta.at[i].set(jnp.where(broke, 0, b))
+
+    basis, alpha, beta = jax.lax.fori_loop(0, m, step, (basis, jnp.zeros(m, dtype), jnp.zeros(m, dtype)))
+    return basis, alpha, beta[:-1]
+
+
+def lanczos_eigenpairs(
+    operator: "CurvatureOperator", k: int, key: Array | None = None, num_iterations: int | None = None
+) -> tuple[Array, Array]:
+    """The ``k`` largest eigenvalues (descending) and their eigenvectors by Lanczos.
+
+    ``num_iterations`` steps (default ``min(dim, max(2 k + 20, 40))``) with full
+    re-orthogonalisation and restarts on breakdown (``_lanczos_basis``) from a random start
+    (``key``, default ``PRNGKey(0)``); the Ritz pairs of the tridiagonal matrix. Exact (to
+    round-off) when ``num_iterations == dim``; otherwise each Ritz value is a lower bound of its
+    eigenvalue, converging fastest for the largest well-separated ones (see
+    ``lanczos_eigenvalues``). Returns ``(values (k,), vectors (dim, k))``: flat unit vectors
+    (``operator.space.unflatten`` of a column gives a parameter pytree). Symmetric operators only.
+    """
+    if not isinstance(operator, CurvatureOperator):
+        raise TypeError(f"`operator` must be a curvax.operators.CurvatureOperator, got {type(operator).__name__}.")
+    if not operator.is_symmetric:
+        raise NotImplementedError(f"{type(operator).__name__}.eigenpairs: the operator is not symmetric.")
+    k = check_top_k(k, operator.dim)
+    if num_iterations is None:
+        m = min(operator.dim, max(2 * k + 20, 40))
+    else:
+        if isinstance(num_iterations, bool) or not isinstance(num_iterations, (numbers.Integral, np.integer)):
+            raise TypeError(f"`num_iterations` must be an integer, got {num_iterations!r}.")
+        m = int(num_iterations)
+        if m > operator.dim:
+            raise ValueError(f"`num_iterations` must be <= the operator's dim {operator.dim}, got {m}.")
+        if m < k:
+            raise ValueError(f"`num_iterations` ({m}) must be >= `k` ({k}).")
+    key = jax.random.PRNGKey(0) if check_key(key) is None else key
+    basis, alpha, beta = _lanczos_basis(operator, key, m)
+    theta, y = jnp.linalg.eigh(jnp.diag(alpha) + jnp.diag(beta, 1) + jnp.diag(beta, -1))
+    order = jnp.argsort(-theta)[:k]
+    vectors = basis.T @ y[:, order]
+    return theta[order], vectors / jnp.linalg.norm(vectors, axis=0, keepdims=True)
