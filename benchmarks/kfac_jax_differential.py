@@ -23,7 +23,7 @@ the interpreter of such an environment, with curvax importable (this checkout is
 children's ``PYTHONPATH``)::
 
     python3 -m venv /tmp/kfj && /tmp/kfj/bin/pip install "jax==0.9.0" "jaxlib==0.9.0" kfac-jax==0.0.8 optax
-    /tmp/kfj/bin/python benchmarks/kfac_jax_differential.py           # ~3 minutes on 2 CPU cores
+    /tmp/kfj/bin/python benchmarks/kfac_jax_differential.py           # ~4 minutes on 2 CPU cores
     /tmp/kfj/bin/python benchmarks/kfac_jax_differential.py --configs mlp_fixed_ggn --steps 3
 
 ``--curvax-python`` runs the curvax child with another interpreter (e.g. a newer JAX): the
