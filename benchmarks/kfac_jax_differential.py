@@ -23,7 +23,7 @@ the interpreter of such an environment, with curvax importable (this checkout is
 children's ``PYTHONPATH``)::
 
     python3 -m venv /tmp/kfj && /tmp/kfj/bin/pip install "jax==0.9.0" "jaxlib==0.9.0" kfac-jax==0.0.8 optax
-    /tmp/kfj/bin/python benchmarks/kfac_jax_differential.py           # ~3 minutes on 2 CPU cores
+    /tmp/kfj/bin/python benchmarks/kfac_jax_differential.py           # ~4 minutes on 2 CPU cores
     /tmp/kfj/bin/python benchmarks/kfac_jax_differential.py --configs mlp_fixed_ggn --steps 3
 
 ``--curvax-python`` runs the curvax child with another interpreter (e.g. a newer JAX): the
@@ -49,6 +49,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
+BINARY = dict(learning_rate=0.0625, momentum=0.5, damping=0.125)
 # name -> model, coefficients (fixed: passed to step; adaptive: the optimizer's own), estimation mode.
 CONFIGS: dict[str, dict[str, Any]] = {
     # Exact curvature: no randomness in the step, so the runs must agree to rounding.
@@ -58,12 +59,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "mlp_adaptive_fisher_exact": dict(model="mlp", mode="adaptive", estimation_mode="fisher_exact"),
     "cnn_ln_fixed_ggn_exact": dict(model="cnn_ln", mode="fixed", estimation_mode="ggn_exact"),
     "cnn_ln_adaptive_ggn_exact": dict(model="cnn_ln", mode="adaptive", estimation_mode="ggn_exact"),
-    # The same with coefficients that float32 represents exactly (FLOAT32_NOTE): powers of two, and
-    # adaptive damping multiplied or divided by 2 (damping_adaptation_decay=0.5).
-    "mlp_fixed_ggn_exact_binary_coefficients": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", fixed=dict(learning_rate=0.0625, momentum=0.5, damping=0.125)),
-    "cnn_ln_fixed_ggn_exact_binary_coefficients": dict(model="cnn_ln", mode="fixed", estimation_mode="ggn_exact", fixed=dict(learning_rate=0.0625, momentum=0.5, damping=0.125)),
-    "mlp_adaptive_ggn_exact_binary_damping": dict(model="mlp", mode="adaptive", estimation_mode="ggn_exact", optimizer=dict(damping_adaptation_decay=0.5)),
-    "cnn_ln_adaptive_ggn_exact_binary_damping": dict(model="cnn_ln", mode="adaptive", estimation_mode="ggn_exact", optimizer=dict(damping_adaptation_decay=0.5)),
+    # The same with coefficients that float32 represents exactly (FLOAT32_NOTE): powers of two for
+    # the learning rate, momentum, damping and l2_reg (2^-13 ~ 1.2e-4), and adaptive damping
+    # multiplied or divided by 2 (damping_adaptation_decay=0.5).
+    "mlp_fixed_ggn_exact_binary_coefficients": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", fixed=BINARY, optimizer=dict(l2_reg=2.0**-13)),
+    "cnn_ln_fixed_ggn_exact_binary_coefficients": dict(model="cnn_ln", mode="fixed", estimation_mode="ggn_exact", fixed=BINARY, optimizer=dict(l2_reg=2.0**-13)),
+    "mlp_adaptive_ggn_exact_binary_damping": dict(model="mlp", mode="adaptive", estimation_mode="ggn_exact", optimizer=dict(damping_adaptation_decay=0.5, l2_reg=2.0**-13)),
+    "cnn_ln_adaptive_ggn_exact_binary_damping": dict(model="cnn_ln", mode="adaptive", estimation_mode="ggn_exact", optimizer=dict(damping_adaptation_decay=0.5, l2_reg=2.0**-13)),
     # Sampled curvature, the same step keys: equal only where both libraries draw the same samples.
     "mlp_fixed_fisher_gradients": dict(model="mlp", mode="fixed", estimation_mode="fisher_gradients"),
     "mlp_fixed_ggn_curvature_prop": dict(model="mlp", mode="fixed", estimation_mode="ggn_curvature_prop"),
@@ -79,9 +81,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 FLOAT32_NOTE = (
     "curvax keeps the step's coefficients in float32 under jax_enable_x64 (optimizer._as_float casts a given "
-    "learning_rate/momentum/damping to float32; OptimizerState.damping is float32), kfac-jax 0.0.8 in float64: "
-    "0.05 and 0.1 then differ by ~1.5e-8 relative, and the parameters by ~1e-9. Coefficients that float32 "
-    "represents exactly (the *_binary_* runs) remove the difference."
+    "learning_rate/momentum/damping to float32; OptimizerState.damping is float32, and l2_reg + damping, "
+    "the blocks' identity weight, is then float32 too), kfac-jax 0.0.8 in float64: 0.05, 0.1 and 1e-4 then "
+    "differ by up to ~1.5e-8 relative, and the parameters by ~1e-9 per step. Coefficients that float32 "
+    "represents exactly (the *_binary_* runs) remove that difference."
 )
 KEY_ALIGNMENT = (
     "With the same step key both libraries sample with different keys: kfac-jax 0.0.8 gives its estimator the "
