@@ -120,7 +120,7 @@ def local_shapes(tree: Any) -> Any:
 def device_scalar(x: Any, num_devices: int, name: str) -> jax.Array:
     """A float32 scalar, or one per device, as an array of shape ``(num_devices,)`` for ``pmap``."""
     try:
-        arr = jnp.asarray(x, jnp.float32)
+        arr = jnp.asarray(x, jax.dtypes.canonicalize_dtype(jnp.float64))
     except (TypeError, ValueError) as e:
         raise TypeError(f"`{name}` must be a number, got {type(x).__name__}.") from e
     if arr.shape not in ((), (num_devices,)):

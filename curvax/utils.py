@@ -296,3 +296,10 @@ def _is_scalar(x: Any) -> bool:
 def get_first(obj: Any) -> Any:
     """The first device's copy of each leaf of a device-stacked pytree (scalars kept)."""
     return jax.tree_util.tree_map(lambda x: x if _is_scalar(x) else x[0], obj)
+
+
+def coefficient_dtype() -> Any:
+    """The dtype of the step's scalar coefficients (learning rate, momentum, damping): float64
+    when ``jax_enable_x64`` is on, as the data then are, float32 otherwise. A float64 run must
+    not round its coefficients to float32 (kfac-jax keeps them in float64 too)."""
+    return jax.dtypes.canonicalize_dtype(jnp.float64)

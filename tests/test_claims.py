@@ -251,14 +251,6 @@ def test_stacked_transformer_in_scan_has_exactly_the_python_loops_curvature(mode
 # --- float64 runs take float64 coefficients ---------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="curvax/optimizer.py keeps a step's learning_rate/momentum/damping in float32 under "
-    "jax_enable_x64 (_as_float casts to float32; OptimizerState.damping is float32), so 0.1 becomes "
-    "0.10000000149 and a float64 step is off by ~1e-8 relative; kfac-jax 0.0.8 keeps them in float64 "
-    "(benchmarks/results/kfac_jax_differential.json: ~1e-9 parameter differences that the *_binary_* "
-    "runs, with float32-exact coefficients, do not have)",
-)
 @pytest.mark.usefixtures("x64")
 def test_a_float64_step_uses_the_float64_coefficients():
     """One dense layer and the squared error: with exact inverses and no EMA the step is

@@ -27,8 +27,8 @@ def fixed(learning_rate: Any, momentum: Any) -> jax.Array:
 
 
 def schedule_value(schedule: Callable[[Any], Any] | None, given: jax.Array, step: jax.Array) -> jax.Array:
-    """``schedule(step)`` as float32 when there is a schedule, else the ``given`` value."""
-    return jnp.asarray(schedule(step), jnp.float32) if schedule is not None else given
+    """``schedule(step)`` (in ``utils.coefficient_dtype()``) when there is a schedule, else the ``given`` value."""
+    return jnp.asarray(schedule(step), utils.coefficient_dtype()) if schedule is not None else given
 
 
 def exact_quad_model(

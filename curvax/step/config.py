@@ -217,14 +217,14 @@ def check_step_coefficients(cfg: StepConfig, learning_rate: Any, momentum: Any, 
 
 
 def scalar_arg(value: Any, name: str, multi_device: bool = False) -> jax.Array:
-    """A step's coefficient argument as a float32 scalar (None: 0), for the compiled step.
+    """A step's coefficient argument as a scalar of ``utils.coefficient_dtype()`` (None: 0), for the compiled step.
 
     With ``multi_device`` (pmap) one value per local device, shape ``(devices,)``.
     """
     if multi_device:
         return parallel.device_scalar(0.0 if value is None else value, jax.local_device_count(), name)
     try:
-        arr = jnp.asarray(0.0 if value is None else value, dtype=jnp.float32)
+        arr = jnp.asarray(0.0 if value is None else value, dtype=utils.coefficient_dtype())
     except (TypeError, ValueError) as e:
         raise TypeError(f"`{name}` must be a scalar number, got {type(value).__name__}.") from e
     if arr.ndim != 0:

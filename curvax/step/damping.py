@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from curvax import utils
 from curvax.step.coefficients import schedule_value
 from curvax.step.config import StepConfig
 
@@ -37,7 +38,7 @@ def identity_weight(cfg: StepConfig, damping: jax.Array, step: jax.Array) -> jax
     """``l2_reg`` plus the preconditioner's damping: its own schedule (kfac-jax 0.0.8), or the
     damping times ``precon_damping_mult`` (1 by default: the damping itself)."""
     if cfg.precon_damping_schedule is not None:
-        precon_damping = jnp.asarray(cfg.precon_damping_schedule(step), jnp.float32)
+        precon_damping = jnp.asarray(cfg.precon_damping_schedule(step), utils.coefficient_dtype())
     else:
         precon_damping = damping * cfg.precon_damping_mult
     return cfg.l2_reg + precon_damping
@@ -62,7 +63,8 @@ def levenberg_marquardt(cfg: StepConfig, damping: jax.Array, new_loss: jax.Array
     lower, upper = cfg.lower_threshold, cfg.upper_threshold
     d = jnp.where(rho < lower, damping / factor, jnp.where(rho > upper, damping * factor, damping))
     d = jnp.clip(d, cfg.min_damping, cfg.max_damping)
-    return DampingUpdate(new_loss.astype(jnp.float32), rho.astype(jnp.float32), d.astype(jnp.float32))
+    f = utils.coefficient_dtype()
+    return DampingUpdate(new_loss.astype(f), rho.astype(f), d.astype(f))
 
 
 def adapt(
@@ -71,11 +73,11 @@ def adapt(
 ) -> DampingUpdate:
     """The damping phase: on due steps (``is_due``) evaluates ``new_loss_fn()`` (the loss at the
     updated parameters, one more forward pass) and adapts; the damping is unchanged otherwise."""
-    nan = jnp.asarray(jnp.nan, jnp.float32)
+    nan = jnp.asarray(jnp.nan, utils.coefficient_dtype())
     if not cfg.adaptive_damping:
         return DampingUpdate(nan, nan, damping)
     return DampingUpdate(*jax.lax.cond(
         is_due,
         lambda: tuple(levenberg_marquardt(cfg, damping, new_loss_fn(), loss, quad_change)),
-        lambda: (nan, nan, jnp.asarray(damping, jnp.float32)),
+        lambda: (nan, nan, jnp.asarray(damping, utils.coefficient_dtype())),
     ))

@@ -152,7 +152,7 @@ class StepProgram:
         exact, approx = self.cache_powers()
         est_state = self.estimator.init(rng, func_args, exact, approx, False)
         initial = self.cfg.initial_damping
-        damping_value = jnp.asarray(initial if initial is not None else 0.0, jnp.float32)
+        damping_value = jnp.asarray(initial if initial is not None else 0.0, utils.coefficient_dtype())
         state = initial_state(utils.tree_zeros_like(params), est_state, damping_value)
         return parallel.constrain(state, self.state_shardings)
 
@@ -307,7 +307,7 @@ class StepProgram:
         new_state = OptimizerState(
             velocities=delta,
             estimator_state=est_state,
-            damping=jnp.asarray(adapted.damping, jnp.float32),
+            damping=jnp.asarray(adapted.damping, utils.coefficient_dtype()),
             data_seen=state.data_seen + total_batch_size,
             step_counter=step + 1,
             curvature_updates_skipped=state.curvature_updates_skipped + curvature_skipped,

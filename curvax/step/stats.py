@@ -39,7 +39,7 @@ def step_stats(out: StepOutcome) -> dict[str, Any]:
         "new_loss": out.new_loss,
         "learning_rate": -out.coeffs[0],
         "momentum": out.coeffs[1],
-        "damping": jnp.asarray(out.damping, jnp.float32),
+        "damping": jnp.asarray(out.damping, utils.coefficient_dtype()),
         "rho": out.rho,
         "quad_model_change": out.quad_change,
         "update_skipped": out.update_skipped,  # loss, gradient or update not finite: params unchanged
