@@ -69,6 +69,7 @@ from curvax import utils
 from curvax.optimizer import Optimizer as _CurvaxOptimizer
 from curvax.optimizer import OptimizerState as _CurvaxState
 from curvax.step import config as _config
+from curvax.step import guard as _guard
 from curvax.step import statistics as _statistics
 
 State = Mapping[str, Any]
@@ -85,6 +86,11 @@ ESTIMATION_MODES = (
 """The alpha's estimation modes (all supported; ``fisher_empirical`` was not in the alpha)."""
 
 _STATE_KEYS = ("velocities", "estimator", "step_counter")
+# The per-step flags of the non-finite guard that the alpha's stats carry (see curvax.Optimizer).
+_GUARD_KEYS = (
+    "update_skipped", "curvature_update_skipped", "loss_diverged", "learning_rate_invalid", "momentum_invalid",
+    "damping_invalid",
+)
 
 
 def _check_bool(value: Any, name: str) -> bool:
@@ -242,6 +248,7 @@ class Optimizer:
         self.pmap_axis_name = pmap_axis_name if self.multi_device else None
 
         # curvax validates the remaining arguments (ranges, integers) with its own messages.
+        self._report = _guard.Reporter()
         self._inner = self._make_inner(
             value_and_grad_func,
             l2_reg,
@@ -395,6 +402,10 @@ class Optimizer:
             "damping": inner_stats["damping"],
             "rho": jnp.asarray(jnp.nan, jnp.float32),
         }
+        # The non-finite guard's flags, as curvax.Optimizer reports them (this step only: the
+        # alpha's state keeps kfac_ferminet_alpha's fields, so there is no running count).
+        for key in _GUARD_KEYS:
+            stats[key] = inner_stats[key]
         if self.value_func_has_aux:
             stats["aux"] = inner_stats["aux"]
         return new_params, self._from_curvax(new_state), new_func_state, stats
@@ -496,6 +507,7 @@ class Optimizer:
             raise ValueError("`data_iterator` has no batch left for this step.") from None
         self._inner._check_batch(batch)
         params, state, func_state, stats = self._step_fn(params, state, rng, batch, func_state, batch_size, lr, mom, damp)
+        self._report(stats)
         if self.value_func_has_state:
             return params, state, func_state, stats
         return params, state, stats

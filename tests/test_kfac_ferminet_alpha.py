@@ -113,7 +113,7 @@ def test_steps_equal_curvax_optimizer(mode, burnin, schedules):
         assert_trees_close(a_state["velocities"], c_state.velocities)
         assert_trees_close(a_state["estimator"], c_state.estimator_state)
         assert int(a_state["step_counter"]) == int(c_state.step_counter) == t + 1
-        assert set(a_stats) == {"step", "loss", "learning_rate", "momentum", "damping", "rho"}
+        assert set(a_stats) == {"step", "loss", "learning_rate", "momentum", "damping", "rho", *kfa._GUARD_KEYS}
         assert int(a_stats["step"]) == t  # the counter before the step, as in the alpha
         np.testing.assert_allclose(a_stats["loss"], c_stats["loss"], rtol=0, atol=1e-6)
         np.testing.assert_allclose(a_stats["learning_rate"], c_stats["learning_rate"], rtol=0, atol=1e-6)
@@ -411,3 +411,23 @@ def test_multi_device_matches_one_device():
     fermi = np.array(out["fermi_losses"])
     np.testing.assert_allclose(fermi[:, 1], fermi[:, 0], rtol=0, atol=1e-6)
     assert fermi[-1, 1] < fermi[0, 1]
+
+
+def test_a_nan_batch_is_reported_like_the_optimizer(caplog):
+    """The alpha's stats carry the non-finite guard's flags and its log names the skip."""
+    import logging
+
+    opt = kfa.Optimizer(VG, l2_reg=0.0, num_burnin_steps=0, inverse_update_period=1)
+    params = init_params()
+    state = opt.init(params, KEY, make_batch(0))
+    params, state, stats = opt.step(params, state, KEY, iter([make_batch(0)]), **STEP_ARGS)
+    assert not bool(stats["update_skipped"]) and not bool(stats["curvature_update_skipped"])
+    x, y = make_batch(1)
+    bad = (x.at[2, 0].set(jnp.nan), y)
+    with caplog.at_level(logging.WARNING, logger="curvax"):
+        new_params, state, stats = opt.step(params, state, KEY, iter([bad]), **STEP_ARGS)
+        for i in range(2, 12):  # a step's line is logged once its flags are ready
+            opt.step(new_params, state, KEY, iter([make_batch(i)]), **STEP_ARGS)
+    assert bool(stats["update_skipped"]) and bool(stats["curvature_update_skipped"])
+    assert_trees_close(new_params, params, atol=0.0)
+    assert "update skipped" in caplog.text
