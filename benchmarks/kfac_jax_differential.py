@@ -80,11 +80,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "cnn_ln_fixed_fisher_gradients_keys_aligned": dict(model="cnn_ln", mode="fixed", estimation_mode="fisher_gradients", align_keys=True),
 }
 FLOAT32_NOTE = (
-    "curvax keeps the step's coefficients in float32 under jax_enable_x64 (optimizer._as_float casts a given "
-    "learning_rate/momentum/damping to float32; OptimizerState.damping is float32, and l2_reg + damping, "
-    "the blocks' identity weight, is then float32 too), kfac-jax 0.0.8 in float64: 0.05, 0.1 and 1e-4 then "
-    "differ by up to ~1.5e-8 relative, and the parameters by ~1e-9 per step. Coefficients that float32 "
-    "represents exactly (the *_binary_* runs) remove that difference."
+    "Both libraries keep a float64 run's step coefficients (learning rate, momentum, damping) in float64. "
+    "Until curvax commit 5d882e5 curvax rounded them to float32 under jax_enable_x64, which left ~1e-9 "
+    "parameter differences per step; the *_binary_* runs (coefficients float32 represents exactly) were "
+    "added to show that, and now agree like the others."
 )
 KEY_ALIGNMENT = (
     "With the same step key both libraries sample with different keys: kfac-jax 0.0.8 gives its estimator the "
