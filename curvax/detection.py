@@ -421,24 +421,7 @@ def detect_layers(
     claimed: set[Key] = set()
 
     # 1. Manual registrations.
-    for i in live:
-        node = program.nodes[i]
-        prim = node.primitive
-        if not isinstance(prim, tags.LayerTag):
-            continue
-        outs, ins, ps = prim.split_operands(node.inputs)
-        for p in ps:
-            if isinstance(p, Lit) or p not in index_of:
-                raise ValueError(
-                    f"A manually registered '{prim.name}' layer takes a parameter that is not one of the "
-                    "model's parameter leaves (it was computed from them or is a constant). Register the raw "
-                    "parameter arrays from the `params` argument."
-                )
-            if p in claimed:
-                raise ValueError(f"Parameter {index_of[p]} is registered in more than one layer tag.")
-            claimed.add(p)
-        meta = {**_MANUAL_META_DEFAULTS.get(prim.name, {}), **dict(node.params)}
-        matches.append(Match(prim, node.outputs[0], tuple(ins), tuple(ps), meta, "manual", frozenset({i})))
+    matches.extend(_manual_matches(program, live, index_of, claimed))
 
     # 2. Patterns, on parameters used exactly once and not tagged by hand.
     use_count: dict[Key, int] = {}
@@ -459,19 +442,7 @@ def detect_layers(
     taken: set[int] = set()
     if not register_only_generic and "dense" not in skip:
         # Tied weights: one parameter applied by several dense products becomes one layer.
-        shared = {k for k, c in use_count.items() if c > 1 and k not in claimed}
-        for k in sorted(shared, key=lambda key: index_of[key]):
-            tied = _match_tied_dense(program, ctx, k, shared, use_count)
-            if tied is None or tied[0].nodes & taken or any(p in claimed for p in tied[0].params):
-                continue
-            matches.append(tied[0])
-            taken |= tied[0].nodes
-            claimed.update(tied[0].params)
-            notes[:] = [n for n in notes if not any(n.startswith(f"parameter {index_of[p]} ") for p in tied[0].params)]
-            notes.append(
-                f"parameters {[index_of[p] for p in tied[0].params]} are tied across {tied[1]} dense products; "
-                "their uses are pooled into one Kronecker-factored layer"
-            )
+        matches.extend(_tied_matches(program, ctx, use_count, claimed, taken, notes, index_of))
     if not register_only_generic:
         for i in reversed(live):
             if i in taken:
@@ -496,7 +467,59 @@ def detect_layers(
             reason = _fallback_reason(program, live_set, k, use_count.get(k, 0), register_only_generic)
             matches.append(Match(tags.generic, k, (), (k,), {"fallback_reason": reason}, "generic", frozenset()))
 
-    matches.sort(key=lambda m: min(index_of[p] for p in m.params))
+    return Detection(_sites(matches, index_of), tuple(notes))
+
+
+def _manual_matches(program: Program, live: Sequence[int], index_of: dict, claimed: set) -> list[Match]:
+    """The layers the user tagged by hand (their parameters join ``claimed``); a tag on a
+    computed value or a parameter tagged twice is an error."""
+    matches = []
+    for i in live:
+        node = program.nodes[i]
+        prim = node.primitive
+        if not isinstance(prim, tags.LayerTag):
+            continue
+        outs, ins, ps = prim.split_operands(node.inputs)
+        for p in ps:
+            if isinstance(p, Lit) or p not in index_of:
+                raise ValueError(
+                    f"A manually registered '{prim.name}' layer takes a parameter that is not one of the "
+                    "model's parameter leaves (it was computed from them or is a constant). Register the raw "
+                    "parameter arrays from the `params` argument."
+                )
+            if p in claimed:
+                raise ValueError(f"Parameter {index_of[p]} is registered in more than one layer tag.")
+            claimed.add(p)
+        meta = {**_MANUAL_META_DEFAULTS.get(prim.name, {}), **dict(node.params)}
+        matches.append(Match(prim, node.outputs[0], tuple(ins), tuple(ps), meta, "manual", frozenset({i})))
+    return matches
+
+
+def _tied_matches(
+    program: Program, ctx: Context, use_count: dict, claimed: set, taken: set, notes: list[str], index_of: dict
+) -> list[Match]:
+    """Tied weights: one parameter applied by several dense products becomes one layer (its
+    parameters join ``claimed``, its nodes ``taken``, and ``notes`` says so)."""
+    matches = []
+    shared = {k for k, c in use_count.items() if c > 1 and k not in claimed}
+    for k in sorted(shared, key=lambda key: index_of[key]):
+        tied = _match_tied_dense(program, ctx, k, shared, use_count)
+        if tied is None or tied[0].nodes & taken or any(p in claimed for p in tied[0].params):
+            continue
+        matches.append(tied[0])
+        taken |= tied[0].nodes
+        claimed.update(tied[0].params)
+        notes[:] = [n for n in notes if not any(n.startswith(f"parameter {index_of[p]} ") for p in tied[0].params)]
+        notes.append(
+            f"parameters {[index_of[p] for p in tied[0].params]} are tied across {tied[1]} dense products; "
+            "their uses are pooled into one Kronecker-factored layer"
+        )
+    return matches
+
+
+def _sites(matches: list[Match], index_of: dict) -> tuple[LayerSite, ...]:
+    """The matches as named ``LayerSite``s, in parameter order (``Auto[dense(0)]``, ...)."""
+    matches = sorted(matches, key=lambda m: min(index_of[p] for p in m.params))
     sites = []
     counts: dict[str, int] = {}
     for m in matches:
@@ -518,7 +541,7 @@ def detect_layers(
                 scan=m.scan,
             )
         )
-    return Detection(tuple(sites), tuple(notes))
+    return tuple(sites)
 
 
 def _scan_matches(
