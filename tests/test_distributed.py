@@ -29,23 +29,20 @@ import distributed_child as child
 from curvax import distributed
 
 HERE = Path(__file__).parent
-# One worker runs this module (pytest-xdist's loadgroup), so its multi-device children never run
-# twice at once: several virtual devices on two busy cores can miss XLA's collective deadline.
-pytestmark = pytest.mark.xdist_group("multi_device_children")
 TOLERANCE = 1e-10
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, dict[str, Any]]:
-    """The child's JSON on 4 and on 2 devices, one after the other: several virtual devices
-    sharing two busy cores can miss XLA's CPU collective rendezvous deadline."""
+    """The child's JSON on 4 and on 2 devices (both started at once: two cores, two processes)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = {n: subprocess.Popen([sys.executable, "distributed_child.py", str(n)], cwd=HERE, env={**env, "JAX_PLATFORMS": "cpu"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (4, 2)}
     out = {}
-    for n in (4, 2):
-        proc = subprocess.run([sys.executable, "distributed_child.py", str(n)], cwd=HERE, env={**env, "JAX_PLATFORMS": "cpu"},
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[n] = json.loads(proc.stdout.strip().splitlines()[-1])
+    for n, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, stderr[-3000:]
+        out[n] = json.loads(stdout.strip().splitlines()[-1])
     return out
 
 
