@@ -9,6 +9,10 @@ than blocks); that a device's results for block b come from the device assigned 
 device fed its own statistics); that in the compiled program each device's branch holds exactly
 its blocks' eigendecompositions; which collectives appear. In process (one device): the
 assignment, the fallbacks, the configuration and the HLO readers.
+
+The multi-device tests are marked slow (run with ``-m slow``): under load, several virtual CPU
+devices on two cores can miss XLA's collective rendezvous (or wait on it) when one device's
+share of the work cannot get a core, so they are not yet reliable enough for the default run.
 """
 
 from __future__ import annotations
@@ -34,19 +38,19 @@ TOLERANCE = 1e-10
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, dict[str, Any]]:
-    """The child's JSON on 4 and on 2 devices (both started at once: two cores, two processes)."""
+    """The child's JSON on 4 and on 2 devices, one after the other."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = {n: subprocess.Popen([sys.executable, "distributed_child.py", str(n)], cwd=HERE, env={**env, "JAX_PLATFORMS": "cpu"},
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (4, 2)}
     out = {}
-    for n, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=900)
-        assert proc.returncode == 0, stderr[-3000:]
-        out[n] = json.loads(stdout.strip().splitlines()[-1])
+    for n in (4, 2):
+        proc = subprocess.run([sys.executable, "distributed_child.py", str(n)], cwd=HERE, env={**env, "JAX_PLATFORMS": "cpu"},
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[n] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
 
 @pytest.mark.parametrize("n", [4, 2])
+@pytest.mark.slow  # multi-device children: see the module docstring
 def test_results_equal_one_device(runs, n):
     out = runs[n]
     assert out["devices"] == n
@@ -60,6 +64,7 @@ def test_results_equal_one_device(runs, n):
     assert modes == {"pmap", "mesh"}  # on 2 devices: the mesh, and pmap for the one-block model
 
 
+@pytest.mark.slow  # multi-device children: see the module docstring
 def test_each_block_comes_from_its_assigned_device(runs):
     """Devices fed different statistics: block b everywhere equals what its owner computes alone."""
     for case in ("kronecker/five", "ekfac/five"):
@@ -70,6 +75,7 @@ def test_each_block_comes_from_its_assigned_device(runs):
 
 
 @pytest.mark.parametrize("n", [4, 2])
+@pytest.mark.slow  # multi-device children: see the module docstring
 def test_each_device_runs_only_its_decompositions(runs, n):
     for case, r in runs[n]["cases"].items():
         hlo = r["hlo"]
@@ -84,6 +90,7 @@ def test_each_device_runs_only_its_decompositions(runs, n):
 
 
 @pytest.mark.parametrize("n", [4, 2])
+@pytest.mark.slow  # multi-device children: see the module docstring
 def test_collectives_are_one_all_gather_per_call(runs, n):
     for case, r in runs[n]["cases"].items():
         for mode in ("pmap", "mesh"):
@@ -97,6 +104,7 @@ def test_collectives_are_one_all_gather_per_call(runs, n):
                 assert shape.startswith(f"f64[{n},"), (case, mode, shape)
 
 
+@pytest.mark.slow  # multi-device children: see the module docstring
 def test_switches_and_configuration(runs):
     for n in (4, 2):
         assert runs[n]["all_gather_in_refresh"] == {"on": True, "inverses_off": False, "estimator_off": False}
