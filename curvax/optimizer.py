@@ -272,9 +272,13 @@ class Optimizer:
         ``precon_grad_norm`` and ``update_norm`` to the step's stats. Default False.
       include_per_param_norms_in_stats: add the same norms for each parameter leaf
         (``grad_norm(<path>)``, ...). Default False.
-      distributed_precon_apply: kfac-jax compatibility, accepted and stored; it has no effect
-        (XLA partitions the step). Default True.
-      distributed_inverses: kfac-jax compatibility, accepted and stored; no effect. Default True.
+      distributed_precon_apply: on several devices (``multi_device=True``, or parameters on a
+        ``jax.sharding`` mesh), each device multiplies only its share of the blocks by their
+        inverses and one ``all_gather`` shares the results (``curvax.distributed``). The same
+        numbers as one device. Default True.
+      distributed_inverses: likewise for the inverse refresh: each device decomposes its share of
+        the blocks, dealt by cost (largest first onto the least-loaded device), and one
+        ``all_gather`` shares them. Default True.
       curvature_update_period: update the curvature statistics only on steps whose counter is a
         multiple of this; the other steps skip the sampled backward pass and the factor products
         and precondition with the statistics they have (``curvature_ema`` then decays per
@@ -419,6 +423,7 @@ class Optimizer:
             self._config, self._func, self._estimator, batch_process_func, batch_size_extractor, self._axis,
             bool(include_norms_in_stats), bool(include_per_param_norms_in_stats),
         )
+        self._program.distribute = (bool(distributed_inverses), bool(distributed_precon_apply))
         self._params_spec: Any = None
         self._state_spec: Any = None
         self._compile()

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
-from curvax import estimators, utils
+from curvax import distributed, estimators, utils
 from curvax.step import config as _config
 from curvax.step import guard, precondition, refresh, statistics
 
@@ -115,6 +116,7 @@ def kfac_preconditioner(
     layer_tag_to_block_ctor: Mapping[str, Callable[..., Any]] | None = None,
     batch_size_extractor: Callable[[Any], Any] = utils.default_batch_size_extractor,
     seed: int = 0,
+    mesh: Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC preconditioning of the incoming updates (gradients), as an Optax transformation.
 
@@ -142,6 +144,11 @@ def kfac_preconditioner(
         Default: the leading size of the batch's first leaf.
       seed: the integer seed of the first PRNG key of the sampled estimation modes (e.g.
         ``fisher_gradients``); ``update`` may also be given ``rng=`` instead. Default 0.
+      mesh: the ``jax.sharding.Mesh`` the parameters are replicated on (the batch sharded
+        over it), if any. With a mesh of several devices each device refreshes the inverses
+        of its share of the blocks and preconditions their gradients, and one ``all_gather``
+        shares the results (``curvax.distributed``): the same numbers as without, 1/N of the
+        work per device. Default None: every device does all of it.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` traces ``loss_fn``
@@ -161,6 +168,9 @@ def kfac_preconditioner(
     )
     example = _BatchSpec(example_batch)
     params_spec = _ParamsSpec()
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"`mesh` must be a jax.sharding.Mesh or None, got {type(mesh).__name__}.")
+    split = distributed.make_distribution(True, True, mesh=mesh)
 
     def init_fn(params: Any) -> KFACPreconditionerState:
         utils.check_float_params(params)
@@ -187,8 +197,10 @@ def kfac_preconditioner(
             estimator, state.estimator_state, curvature_ema, 1.0, batch_size_extractor(batch), rng, (params, batch)
         )
         identity_weight = l2_reg + _damping_at(damping, state.count)
-        est_state = refresh.refresh(estimator, est_state, state.count, period, identity_weight, None, -1)
-        precon = precondition.precondition(estimator, est_state, updates, identity_weight, False, True, like=updates)
+        est_state = refresh.refresh(estimator, est_state, state.count, period, identity_weight, None, -1, distribution=split)
+        precon = precondition.precondition(
+            estimator, est_state, updates, identity_weight, False, True, like=updates, distribution=split
+        )
         precon = guard.zero_unless_finite(precon, updates)
         count = guard.count(state.curvature_updates_skipped, skipped)
         return precon, KFACPreconditionerState(state.count + 1, key, est_state, count)
@@ -225,9 +237,7 @@ class OptaxPreconditioner:
     self-contained Optax transformation use ``kfac_preconditioner``.
 
     The arguments are kfac-jax's; ``curvature_update_period`` must be 1 (as in kfac-jax),
-    ``num_samples`` 1, ``norm_to_scale_identity_weight_per_block`` None (not supported),
-    and ``distributed_inverses``/``distributed_precon_apply`` are accepted and unused
-    (curvax spreads work over devices through ``jit`` shardings).
+    ``num_samples`` 1 and ``norm_to_scale_identity_weight_per_block`` None (not supported).
 
     Args:
       value_func: the model's value function, ``value_func(params, ..., batch)``, which
@@ -259,8 +269,10 @@ class OptaxPreconditioner:
         Default ``"kfac_axis"``.
       batch_size_extractor: ``f(batch) -> number of examples``, applied to the last of
         ``func_args``. Default: the leading size of the batch's first leaf.
-      distributed_inverses: kfac-jax compatibility, accepted and unused.
-      distributed_precon_apply: kfac-jax compatibility, accepted and unused.
+      distributed_inverses: inside a ``pmap`` over ``pmap_axis_name``, each device refreshes
+        the cached inverses of its share of the blocks (dealt by cost) and one ``all_gather``
+        shares them (``curvax.distributed``); the same numbers as undistributed. Default True.
+      distributed_precon_apply: likewise for the products of ``apply``. Default True.
       num_samples: kfac-jax compatibility: only 1 (``NotImplementedError`` otherwise).
       should_vmap_samples: kfac-jax compatibility, accepted and unused.
       norm_to_scale_identity_weight_per_block: kfac-jax compatibility: only None
@@ -293,7 +305,12 @@ class OptaxPreconditioner:
         norm_to_scale_identity_weight_per_block: str | None = None,
     ):
         _config.check_optax_preconditioner_args(locals())
-        del distributed_inverses, distributed_precon_apply, should_vmap_samples
+        del should_vmap_samples
+        # Inside a pmap over `pmap_axis_name` each device refreshes and applies its share of the
+        # blocks; elsewhere (one device, no such axis) the split is a no-op.
+        self._distribution = distributed.make_distribution(
+            bool(distributed_inverses), bool(distributed_precon_apply), axis_name=pmap_axis_name
+        )
         self._inverse_update_period = int(inverse_update_period)
         self._l2_reg = l2_reg
         self._damping = damping
@@ -428,6 +445,7 @@ class OptaxPreconditioner:
         est_state = refresh.refresh_when(
             self._estimator, state.estimator_state, self.should_update_inverse_cache(state),
             self.get_identity_weight(state), self._exact_powers_to_cache, self._approx_powers_to_cache,
+            self._distribution,
         )
         return state._replace(estimator_state=est_state)
 
@@ -452,6 +470,7 @@ class OptaxPreconditioner:
         new = precondition.precondition(
             self._estimator, state.estimator_state, updates, self.get_identity_weight(state), self._use_exact_inverses,
             self._use_cached_inverses, -0.5 if self._use_sqrt_inv else -1, self._pmap_axis_name,
+            distribution=self._distribution,
         )
         if self._norm_constraint is not None:
             new, _ = precondition.constrain_norm(new, updates, self._norm_constraint, floor=None)

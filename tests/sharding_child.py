@@ -19,6 +19,7 @@ import numpy as np
 
 import curvax
 import models
+from curvax import distributed
 
 BATCH = 32
 # name -> (Optimizer arguments, step arguments)
@@ -110,6 +111,11 @@ def on_devices() -> dict[str, Any]:
             "trace_count": trace_count,
             "all_reduces": hlo.count("all-reduce("),
             "all_gathers": hlo.count("all-gather("),
+            # The shapes of what is gathered: only the curvature work shared by
+            # `distributed_inverses`/`distributed_precon_apply` (one row per device), never the batch.
+            "all_gather_shapes": [
+                shape for c in distributed.hlo_collectives(hlo) if c["op"] == "all-gather" for shape in c["shapes"]
+            ],
         }
     _, l1 = train_optax(jax.device_put(params, jax.devices()[0]), jax.device_put(batch, jax.devices()[0]))
     pn, ln = train_optax(jax.device_put(params, NamedSharding(mesh, P())), sharded_batch)

@@ -25,6 +25,10 @@ import curvax
 import models
 import pmap_child as child
 
+# Multi-device children run on one xdist worker, one module after another (`--dist loadgroup`):
+# several groups of virtual CPU devices at once on two cores could miss XLA's collective deadline.
+pytestmark = pytest.mark.xdist_group("devices")
+
 HERE = Path(__file__).parent
 
 

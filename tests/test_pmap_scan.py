@@ -32,6 +32,10 @@ import pytest
 
 import curvax
 
+# Multi-device children run on one xdist worker, one module after another (`--dist loadgroup`):
+# several groups of virtual CPU devices at once on two cores could miss XLA's collective deadline.
+pytestmark = pytest.mark.xdist_group("devices")
+
 AXIS = "qmc_axis"
 WALKERS, DIM, HIDDEN = 8, 3, 6
 

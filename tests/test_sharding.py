@@ -25,6 +25,10 @@ import pytest
 
 import sharding_child as child
 
+# Multi-device children run on one xdist worker, one module after another (`--dist loadgroup`):
+# several groups of virtual CPU devices at once on two cores could miss XLA's collective deadline.
+pytestmark = pytest.mark.xdist_group("devices")
+
 HERE = Path(__file__).parent
 
 
@@ -62,8 +66,12 @@ def test_sharded_batch_on_four_devices_matches_one_device():
         # The updated parameters stay replicated on every device, and the step compiled once.
         assert r["params_replicated"] and r["params_on_all_devices"], config
         assert r["trace_count"] == 1, config
-        # The batch was not gathered onto every device: the statistics were reduced instead.
-        assert r["all_reduces"] > 0 and r["all_gathers"] == 0, config
+        # The batch was not gathered onto every device: the statistics were reduced instead. The
+        # only gathers share the distributed curvature work, one row per device (the refresh's
+        # decompositions and the preconditioned gradient: at most one each).
+        assert r["all_reduces"] > 0, config
+        assert 0 < len(r["all_gather_shapes"]) <= 2, (config, r["all_gather_shapes"])
+        assert all(shape.split("[")[1].startswith("4,") for shape in r["all_gather_shapes"]), r["all_gather_shapes"]
     # The Optax path (kfac_preconditioner + SGD in a jitted step) partitions the same way.
     r = out["optax"]
     np.testing.assert_allclose(r["losses_sharded"], r["losses_one_device"], rtol=1e-5)

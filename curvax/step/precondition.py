@@ -16,15 +16,17 @@ from curvax import utils
 
 def precondition(
     estimator: Any, state: Any, vector: Any, identity_weight: Any, exact: bool, use_cached: bool,
-    power: float = -1, axis: str | None = None, like: Any = None,
+    power: float = -1, axis: str | None = None, like: Any = None, distribution: Any = None,
 ) -> Any:
     """``(C + identity_weight I)^power vector`` (the inverse by default), ``C`` from ``state``.
 
     ``exact`` and ``use_cached`` are the estimator's (static). Blocks may hold statistics in a
     wider dtype than the parameters: with ``like`` (a pytree shaped as ``vector``) each leaf is
-    cast back to ``like``'s dtype.
+    cast back to ``like``'s dtype. ``distribution`` (a ``curvax.distributed.Distribution``, or
+    None) splits the blocks' products over the devices and shares the results.
     """
-    out = estimator.multiply_matpower(state, vector, identity_weight, power, exact, use_cached, axis)
+    extra = {} if distribution is None else {"distribution": distribution}
+    out = estimator.multiply_matpower(state, vector, identity_weight, power, exact, use_cached, axis, **extra)
     if like is None:
         return out
     return jax.tree_util.tree_map(lambda v, p: v.astype(jnp.result_type(p)), out, like)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from curvax import gradients, parallel, utils
+from curvax import distributed, gradients, parallel, utils
 from curvax.step import coefficients, damping, forward, guard, precondition, refresh, statistics, stats
 from curvax.step.config import StepConfig, invalid_coefficients
 from curvax.step.state import OptimizerState, initial_state
@@ -58,6 +58,10 @@ class StepProgram:
         self.include_per_param_norms = include_per_param_norms
         self.shares_gradient = False
         self.state_shardings: OptimizerState | None = None
+        # kfac-jax's distributed_inverses / distributed_precon_apply (set by the optimizer), and
+        # the split of the curvature work over the devices they give (``prepare``; None on one).
+        self.distribute: tuple[bool, bool] = (False, False)
+        self.distribution: Any = None
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -142,6 +146,7 @@ class StepProgram:
         has_generic = any(s.pattern == "generic" for s in pj.layer_sites)
         logger.log(logging.WARNING if has_generic else logging.INFO, "\n%s", table)
         self.state_shardings = self.state_shardings_for(params)
+        self.distribution = distributed.make_distribution(*self.distribute, axis_name=self.axis, params=params)
         return proof, table
 
     # --- init and burn-in --------------------------------------------------------------------
@@ -233,7 +238,7 @@ class StepProgram:
         exact, approx = self.cache_powers()
         est_state = refresh.refresh(
             self.estimator, est_state, step, cfg.inverse_update_period, identity_weight, exact, approx,
-            cfg.inverse_update_staggered,
+            cfg.inverse_update_staggered, self.distribution,
         )
         return est_state, skipped
 
@@ -264,7 +269,7 @@ class StepProgram:
         # Phase 4: the preconditioned gradient, in the parameters' dtypes.
         precon = precondition.precondition(
             self.estimator, est_state, g.grads, identity_weight, cfg.use_exact_inverses, cfg.inverse_update_period != 1,
-            like=params,
+            like=params, distribution=self.distribution,
         )
         # Phase 5: the coefficients, with the norm constraint on the preconditioned gradient.
         lr = coefficients.schedule_value(cfg.lr_schedule, lr_arg, step)

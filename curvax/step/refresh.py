@@ -19,25 +19,35 @@ def cache_powers(period: int, use_exact_inverses: bool) -> tuple[Any, Any]:
     return (-1, None) if use_exact_inverses else (None, -1)
 
 
-def refresh_cache(estimator: Any, state: Any, identity_weight: Any, exact_powers: Any, approx_powers: Any) -> Any:
-    """Every block's cache recomputed from its statistics, with ``identity_weight`` as damping."""
-    return estimator.update_cache(state, identity_weight, exact_powers, approx_powers, False)
+def refresh_cache(
+    estimator: Any, state: Any, identity_weight: Any, exact_powers: Any, approx_powers: Any, distribution: Any = None
+) -> Any:
+    """Every block's cache recomputed from its statistics, with ``identity_weight`` as damping.
+
+    ``distribution`` (a ``curvax.distributed.Distribution``, or None) splits the blocks' work
+    over the devices and shares the results."""
+    extra = {} if distribution is None else {"distribution": distribution}
+    return estimator.update_cache(state, identity_weight, exact_powers, approx_powers, False, **extra)
 
 
-def refresh_when(estimator: Any, state: Any, due: Any, identity_weight: Any, exact_powers: Any, approx_powers: Any) -> Any:
+def refresh_when(
+    estimator: Any, state: Any, due: Any, identity_weight: Any, exact_powers: Any, approx_powers: Any,
+    distribution: Any = None,
+) -> Any:
     """``refresh_cache`` when ``due`` (a Python bool, or a traced boolean: a ``lax.cond``)."""
     if due is True:
-        return refresh_cache(estimator, state, identity_weight, exact_powers, approx_powers)
+        return refresh_cache(estimator, state, identity_weight, exact_powers, approx_powers, distribution)
     if due is False:
         return state
     return jax.lax.cond(
-        due, lambda s: refresh_cache(estimator, s, identity_weight, exact_powers, approx_powers), lambda s: s, state
+        due, lambda s: refresh_cache(estimator, s, identity_weight, exact_powers, approx_powers, distribution),
+        lambda s: s, state,
     )
 
 
 def refresh(
     estimator: Any, state: Any, step: jax.Array, period: int, identity_weight: Any, exact_powers: Any,
-    approx_powers: Any, staggered: bool = False,
+    approx_powers: Any, staggered: bool = False, distribution: Any = None,
 ) -> Any:
     """The refresh due at ``step``: every block at multiples of ``period`` (every step for 1),
     or with ``staggered`` each block at its own phase of the period (``refresh_phases``)."""
@@ -45,4 +55,4 @@ def refresh(
         # One compiled step serves every phase; each block's refresh sits in its own conditional.
         return estimator.update_cache_staggered(state, step, period, identity_weight, exact_powers, approx_powers, False)
     due = True if period == 1 else step % period == 0
-    return refresh_when(estimator, state, due, identity_weight, exact_powers, approx_powers)
+    return refresh_when(estimator, state, due, identity_weight, exact_powers, approx_powers, distribution)
