@@ -13,9 +13,7 @@ factors of sides 513 and 512), float32, on ``--devices`` CPU devices
   interleaved. From the compiled HLO: the collectives (and their bytes) and, per device branch,
   the decompositions each device runs. The results of "on" are compared with "off".
 * ``optimizer``: ``curvax.Optimizer`` steps (pmap mode, and sharding), ordinary and refresh
-  steps, with the estimator's ``update_cache``/``multiply_matpower`` given the distribution by
-  wrapping them on the instance: the wiring the optimizer itself is to get (see the report of
-  issue 20), measured without editing it.
+  steps, with ``distributed_inverses``/``distributed_precon_apply`` off and on (the default).
 
 CPU devices of one process share its cores, so the gain measured here is the work removed (each
 device decomposes 1/N of the blocks instead of all of them), not parallel hardware. The machine
@@ -66,6 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=11, help="optimizer steps per variant after the first")
     p.add_argument("--period", type=int, default=5, help="the optimizer's inverse_update_period")
     p.add_argument("--skip-optimizer", action="store_true")
+    p.add_argument("--skip-estimator", action="store_true")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--output", default=str(Path(__file__).parent / "results" / "distributed.json"))
     args = p.parse_args(argv)
@@ -74,8 +73,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def mlp(layers: int, width: int, batch: int) -> tuple[Callable, Any, Any]:
-    """``layers`` tanh dense layers ``width`` wide and a squared-error loss; parameters and a batch."""
+def mlp(layers: int, width: int, batch: int, lib: Any = curvax) -> tuple[Callable, Any, Any]:
+    """``layers`` tanh dense layers ``width`` wide and a squared-error loss registered with ``lib``
+    (curvax or kfac_jax); parameters and a batch."""
     keys = jax.random.split(jax.random.PRNGKey(0), layers + 2)
     params = [{"w": jax.random.normal(k, (width, width)) / np.sqrt(width), "b": jnp.zeros(width)} for k in keys[:layers]]
 
@@ -84,7 +84,7 @@ def mlp(layers: int, width: int, batch: int) -> tuple[Callable, Any, Any]:
         for i, layer in enumerate(p):
             h = h @ layer["w"] + layer["b"]
             h = jnp.tanh(h) if i < len(p) - 1 else h
-        curvax.register_squared_error_loss(h, y)
+        lib.register_squared_error_loss(h, y)
         return 0.5 * jnp.mean(jnp.sum((h - y) ** 2, axis=-1))
 
     data = (jax.random.normal(keys[-2], (batch, width)), jax.random.normal(keys[-1], (batch, width)))
@@ -186,61 +186,70 @@ def estimator_section(args: argparse.Namespace, n: int) -> dict[str, Any]:
     return out
 
 
-def wire(opt: curvax.Optimizer, dist: Any) -> None:
-    """Hands ``dist`` to every refresh and product of ``opt``'s estimator (instance attributes):
-    what ``Optimizer`` is to do itself once wired (``distribution=`` on those two calls)."""
-    est = opt.estimator
-    update_cache, multiply_matpower = est.update_cache, est.multiply_matpower
-    est.update_cache = lambda *a, **k: update_cache(*a, distribution=dist, **k)
-    est.multiply_matpower = lambda *a, **k: multiply_matpower(*a, distribution=dist, **k)
+def libraries() -> dict[str, Any]:
+    """curvax, and kfac-jax where this interpreter has it (kfac-jax 0.0.8 needs JAX 0.9.0)."""
+    libs: dict[str, Any] = {"curvax": curvax}
+    try:
+        import kfac_jax
+
+        libs["kfac_jax"] = kfac_jax
+    except ImportError:
+        pass
+    return libs
 
 
 def optimizer_section(args: argparse.Namespace, n: int) -> dict[str, Any]:
-    loss, params, data = mlp(args.layers, args.width, args.batch)
+    """Optimizer steps with the split off and on, per library and mode, all variants alternating
+    step by step (a busy machine's drift hits them alike). kfac-jax runs in pmap mode only (its
+    sharding path is not what its users run)."""
     fixed = dict(learning_rate=1e-3, momentum=0.5, damping=DAMPING)
     mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
     out: dict[str, Any] = {"load_average_before": os.getloadavg(), "period": args.period}
-    for mode in ("pmap", "sharding"):
-        runs: dict[str, Any] = {}
-        for variant in ("off", "on"):
-            opt = curvax.Optimizer(jax.value_and_grad(loss), l2_reg=0.0, inverse_update_period=args.period,
-                                   num_burnin_steps=0, multi_device=mode == "pmap", pmap_axis_name=AXIS)
-            if variant == "on":
-                wire(opt, distributed.Distribution(axis_name=AXIS) if mode == "pmap" else distributed.Distribution(mesh=mesh))
-            if mode == "pmap":
-                rep = curvax.utils.replicate_all_local_devices
-                p = rep(params)
-                batch = jax.tree_util.tree_map(lambda a: a.reshape((n, -1) + a.shape[1:]), data)
-                kwargs = {k: rep(jnp.asarray(v, jnp.float32)) for k, v in fixed.items()}
-                state = opt.init(p, rep(jax.random.PRNGKey(1)), batch)
-                key = lambda i: jax.random.split(jax.random.PRNGKey(i), n)
-            else:
-                p = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-                batch = jax.device_put(data, NamedSharding(mesh, PartitionSpec("data")))
-                kwargs = dict(fixed)
-                state = opt.init(p, jax.random.PRNGKey(1), batch)
-                key = jax.random.PRNGKey
-            runs[variant] = {"opt": opt, "params": p, "state": state, "batch": batch, "kwargs": kwargs, "key": key,
-                             "times": [], "losses": []}
-        for i in range(args.steps + 1):  # step 0 compiles (and refreshes); alternate the variants
-            for variant in (("off", "on") if i % 2 else ("on", "off")):
-                r = runs[variant]
-                t = time.perf_counter()
-                r["params"], r["state"], stats = r["opt"].step(r["params"], r["state"], r["key"](i), batch=r["batch"], **r["kwargs"])
-                jax.block_until_ready((r["params"], r["state"]))
-                r["times"].append(time.perf_counter() - t)
-                r["losses"].append(float(np.mean(np.asarray(stats["loss"]))))
-        info: dict[str, Any] = {}
-        for variant, r in runs.items():
-            ordinary = [t for i, t in enumerate(r["times"]) if i and i % args.period]
-            refresh = [t for i, t in enumerate(r["times"]) if i and i % args.period == 0]
-            info[variant] = {
-                "first_step_s": r["times"][0], "ordinary_step_median_s": statistics.median(ordinary),
-                "refresh_step_median_s": statistics.median(refresh) if refresh else None,
-                "ordinary_steps_s": ordinary, "refresh_steps_s": refresh, "losses": r["losses"],
-            }
-        info["max_rel_param_diff_on_vs_off"] = max_rel_diff(runs["on"]["params"], runs["off"]["params"])
-        out[mode] = info
+    runs: dict[str, Any] = {}
+    for lib_name, lib in libraries().items():
+        loss, params, data = mlp(args.layers, args.width, args.batch, lib)
+        for mode in ("pmap", "sharding") if lib_name == "curvax" else ("pmap",):
+            for variant in ("off", "on"):
+                split = variant == "on"
+                opt = lib.Optimizer(value_and_grad_func=jax.value_and_grad(loss), l2_reg=0.0,
+                                    inverse_update_period=args.period, num_burnin_steps=0,
+                                    multi_device=mode == "pmap", pmap_axis_name=AXIS,
+                                    distributed_inverses=split, distributed_precon_apply=split)
+                if mode == "pmap":
+                    rep = curvax.utils.replicate_all_local_devices
+                    p = rep(params)
+                    batch = jax.tree_util.tree_map(lambda a: a.reshape((n, -1) + a.shape[1:]), data)
+                    kwargs = {k: rep(jnp.asarray(v, jnp.float32)) for k, v in fixed.items()}
+                    state = opt.init(p, rep(jax.random.PRNGKey(1)), batch)
+                    key = lambda i: jax.random.split(jax.random.PRNGKey(i), n)
+                else:
+                    p = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+                    batch = jax.device_put(data, NamedSharding(mesh, PartitionSpec("data")))
+                    kwargs = dict(fixed)
+                    state = opt.init(p, jax.random.PRNGKey(1), batch)
+                    key = jax.random.PRNGKey
+                runs[f"{lib_name}/{mode}/{variant}"] = {"opt": opt, "params": p, "state": state, "batch": batch,
+                                                        "kwargs": kwargs, "key": key, "times": [], "losses": []}
+    names = list(runs)
+    for i in range(args.steps + 1):  # step 0 compiles (and refreshes); the order rotates every step
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            r = runs[name]
+            t = time.perf_counter()
+            r["params"], r["state"], stats = r["opt"].step(r["params"], r["state"], r["key"](i), batch=r["batch"],
+                                                           global_step_int=i, **r["kwargs"])
+            jax.block_until_ready((r["params"], r["state"]))
+            r["times"].append(time.perf_counter() - t)
+            r["losses"].append(float(np.mean(np.asarray(stats["loss"]))))
+    for name, r in runs.items():
+        ordinary = [t for i, t in enumerate(r["times"]) if i and i % args.period]
+        refresh = [t for i, t in enumerate(r["times"]) if i and i % args.period == 0]
+        out[name] = {
+            "first_step_s": r["times"][0], "ordinary_step_median_s": statistics.median(ordinary),
+            "refresh_step_median_s": statistics.median(refresh) if refresh else None,
+            "ordinary_steps_s": ordinary, "refresh_steps_s": refresh, "losses": r["losses"],
+        }
+    for prefix in {n.rsplit("/", 1)[0] for n in names}:
+        out[f"{prefix}/max_rel_param_diff_on_vs_off"] = max_rel_diff(runs[f"{prefix}/on"]["params"], runs[f"{prefix}/off"]["params"])
     out["load_average_after"] = os.getloadavg()
     return out
 
@@ -254,21 +263,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "distributed",
         "machine": machine_info(),
         "settings": {k: v for k, v in vars(args).items() if k != "output"},
-        "estimator": estimator_section(args, n),
     }
+    if not args.skip_estimator:
+        out["estimator"] = estimator_section(args, n)
     if not args.skip_optimizer:
         out["optimizer"] = optimizer_section(args, n)
     summary: dict[str, Any] = {}
-    for inverses in ("approx", "exact"):
+    for inverses in ("approx", "exact") if "estimator" in out else ():
         for work in ("refresh", "apply"):
             s = out["estimator"][inverses][work]
             summary[f"{inverses}/{work}"] = {
                 k: round(s[k]["median_s"], 4) for k in ("one_device", "pmap_off", "pmap_on", "sharding_off", "sharding_on")
             } | {"collective_bytes_added": s["pmap_on"]["collective_bytes"]}
     if "optimizer" in out:
-        for mode in ("pmap", "sharding"):
-            summary[f"optimizer/{mode}"] = {v: {k: out["optimizer"][mode][v][k] for k in ("ordinary_step_median_s", "refresh_step_median_s")}
-                                            for v in ("off", "on")}
+        for name, r in out["optimizer"].items():
+            if isinstance(r, dict) and "ordinary_step_median_s" in r:
+                summary[f"optimizer/{name}"] = {k: r[k] for k in ("first_step_s", "ordinary_step_median_s", "refresh_step_median_s")}
     out["summary"] = summary
     write_results(args.output, out, summary)
     return 0
