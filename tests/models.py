@@ -235,17 +235,93 @@ def tanh_mlp_loss(p: dict[str, jax.Array], batch: tuple[jax.Array, jax.Array]) -
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[1][:, None], axis=1))
 
 
-def tanh_mlp_problem() -> tuple[dict[str, jax.Array], tuple[jax.Array, jax.Array]]:
-    """Parameters (4 -> 5 -> 3, non-zero biases) and 24 labelled examples for ``tanh_mlp_loss``,
-    in the default float dtype of the caller (float64 under the ``x64`` fixture), built once per dtype."""
-    return _tanh_mlp_problem(str(jnp.zeros(()).dtype))
+def tanh_mlp_problem(dims: tuple[int, int, int] = (4, 5, 3), n: int = 24,
+                     weight_scales: tuple[float, float] = (0.5, 0.5)) -> tuple[dict[str, jax.Array], tuple[jax.Array, jax.Array]]:
+    """Parameters (``d_in -> d_hid -> d_out`` of ``dims``, standard-normal weights times
+    ``weight_scales``, non-zero biases) and ``n`` labelled examples for ``tanh_mlp_loss``, in the
+    caller's default float dtype (float64 under the ``x64`` fixture); built once per dtype."""
+    return _tanh_mlp_problem(str(jnp.zeros(()).dtype), tuple(dims), n, tuple(weight_scales))
 
 
 @functools.lru_cache(maxsize=None)
-def _tanh_mlp_problem(dtype: str) -> tuple[dict[str, jax.Array], tuple[jax.Array, jax.Array]]:
-    del dtype  # the cache key only: the arrays take the caller's default dtype
+def _tanh_mlp_problem(dtype: str, dims: tuple[int, int, int], n: int,
+                      weight_scales: tuple[float, float]) -> tuple[dict[str, jax.Array], tuple[jax.Array, jax.Array]]:
+    del dtype  # a cache key only: the arrays take the caller's default dtype
+    d_in, d_hid, d_out = dims
     k = jax.random.split(jax.random.PRNGKey(0), 6)
-    p = {"w1": jax.random.normal(k[0], (4, 5)) / 2, "b1": 0.1 * jax.random.normal(k[1], (5,)),
-         "w2": jax.random.normal(k[2], (5, 3)) / 2, "b2": 0.1 * jax.random.normal(k[3], (3,))}
-    x, y = jax.random.normal(k[4], (24, 4)), jax.random.randint(k[5], (24,), 0, 3)
+    p = {"w1": jax.random.normal(k[0], (d_in, d_hid)) * weight_scales[0], "b1": 0.1 * jax.random.normal(k[1], (d_hid,)),
+         "w2": jax.random.normal(k[2], (d_hid, d_out)) * weight_scales[1], "b2": 0.1 * jax.random.normal(k[3], (d_out,))}
+    x, y = jax.random.normal(k[4], (n, d_in)), jax.random.randint(k[5], (n,), 0, d_out)
     return p, (x, y)
+
+
+def fisher_exact_estimate(loss: Callable, params: Any, batch: Any) -> tuple[curvax.BlockDiagonalCurvature, Any]:
+    """``(estimator, state)``: the block-diagonal estimate of ``loss`` from one exact-Fisher update on ``batch``."""
+    est = curvax.BlockDiagonalCurvature(loss)
+    state = est.init(jax.random.PRNGKey(1), (params, batch), None, None)
+    state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, batch[0].shape[0], jax.random.PRNGKey(2),
+                                                 (params, batch), estimation_mode="fisher_exact")
+    return est, state
+
+
+# --- the same tanh MLP in each framework's own idiom: (apply(params, x), float64 params) ---------
+
+
+def _to_float64(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), tree)
+
+
+def _haiku_tanh_mlp(key: jax.Array, d_in: int, d_hid: int, d_out: int) -> tuple[Callable, Any]:
+    import haiku as hk
+
+    model = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([d_hid, d_out], activation=jnp.tanh)(x)))
+    return model.apply, model.init(key, jnp.zeros((1, d_in)))
+
+
+def _linen_tanh_mlp(key: jax.Array, d_in: int, d_hid: int, d_out: int) -> tuple[Callable, Any]:
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(d_out)(jnp.tanh(nn.Dense(d_hid)(x)))
+
+    model = MLP()
+    return model.apply, model.init(key, jnp.zeros((1, d_in)))
+
+
+def _nnx_tanh_mlp(key: jax.Array, d_in: int, d_hid: int, d_out: int) -> tuple[Callable, Any]:
+    from flax import nnx
+
+    del key  # nnx modules draw from their own ``Rngs`` (seed 0)
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.l0 = nnx.Linear(d_in, d_hid, rngs=rngs)
+            self.l1 = nnx.Linear(d_hid, d_out, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l1(jnp.tanh(self.l0(x)))
+
+    graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
+    return (lambda p, x: nnx.merge(graphdef, p)(x)), state
+
+
+def _equinox_tanh_mlp(key: jax.Array, d_in: int, d_hid: int, d_out: int) -> tuple[Callable, Any]:
+    import equinox as eqx
+
+    model = eqx.nn.MLP(d_in, d_out, d_hid, 1, activation=jnp.tanh, key=key)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    return (lambda p, x: jax.vmap(eqx.combine(p, static))(x)), params
+
+
+_TANH_MLPS = {"haiku": _haiku_tanh_mlp, "flax_linen": _linen_tanh_mlp, "flax_nnx": _nnx_tanh_mlp,
+              "equinox": _equinox_tanh_mlp}
+TANH_MLP_FRAMEWORKS = tuple(_TANH_MLPS)
+
+
+def framework_tanh_mlp(framework: str, key: jax.Array, d_in: int, d_hid: int, d_out: int) -> tuple[Callable, Any]:
+    """``x -> dense(tanh(dense(x)))`` written with ``framework``'s own layers (one of
+    ``TANH_MLP_FRAMEWORKS``): ``(apply(params, x), params in float64)``."""
+    apply, params = _TANH_MLPS[framework](key, d_in, d_hid, d_out)
+    return apply, _to_float64(params)
