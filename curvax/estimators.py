@@ -308,22 +308,26 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
         ``norm_to_scale_identity_weight_per_block=None`` only (any other value raises
         ``NotImplementedError``).
         """
-        _check_no_block_norm(kwargs)
-        extra = {} if distribution is None else {"distribution": distribution}
-        return self.multiply_matpower(state, parameter_structured_vector, identity_weight, 1, exact_power, use_cached, pmap_axis_name, **extra)
+        return self._multiply_power(1, state, parameter_structured_vector, identity_weight, exact_power, use_cached,
+                                    pmap_axis_name, distribution, kwargs)
 
     def multiply_inverse(self, state, parameter_structured_vector, identity_weight, exact_power, use_cached, pmap_axis_name=None, *, distribution: distributed.Distribution | None = None, **kwargs: Any) -> Any:
         """``(C + identity_weight I)^-1 v``: ``multiply_matpower`` with ``power=-1``.
 
-        ``state``, ``parameter_structured_vector``, ``identity_weight``, ``exact_power``,
-        ``use_cached``, ``pmap_axis_name`` and ``distribution`` (passed on only when given) are
-        those of ``multiply_matpower``; ``kwargs`` accepts kfac-jax v0.0.8's
-        ``norm_to_scale_identity_weight_per_block=None`` only (any other value raises
-        ``NotImplementedError``).
+        The arguments are those of ``multiply``: ``state``, ``parameter_structured_vector``,
+        ``identity_weight``, ``exact_power``, ``use_cached``, ``pmap_axis_name``, ``distribution``
+        and ``kwargs``.
         """
+        return self._multiply_power(-1, state, parameter_structured_vector, identity_weight, exact_power, use_cached,
+                                    pmap_axis_name, distribution, kwargs)
+
+    def _multiply_power(self, power, state, vector, identity_weight, exact_power, use_cached, pmap_axis_name,
+                        distribution, kwargs) -> Any:
+        """``multiply_matpower`` for ``multiply``/``multiply_inverse``: refuses kfac-jax v0.0.8's
+        per-block norm and passes ``distribution`` on only when given."""
         _check_no_block_norm(kwargs)
         extra = {} if distribution is None else {"distribution": distribution}
-        return self.multiply_matpower(state, parameter_structured_vector, identity_weight, -1, exact_power, use_cached, pmap_axis_name, **extra)
+        return self.multiply_matpower(state, vector, identity_weight, power, exact_power, use_cached, pmap_axis_name, **extra)
 
     @abc.abstractmethod
     def eigenvalues(self, state, use_cached) -> jax.Array:

@@ -68,262 +68,59 @@ class Optimizer:
     ``C`` (one block per detected layer, see ``registration_table``), and moves the parameters
     by ``delta = -lr * (C + (l2_reg + damping) I)^-1 g + momentum * previous_delta``.
 
-    Every constructor argument of kfac-jax's documented API (in its positional order) and of
-    kfac-jax 0.0.8 (its additions keyword-only here) is accepted. kfac-jax 0.0.8
-    arguments that curvax does not implement accept their default only and raise
-    ``NotImplementedError`` for anything else, rather than being ignored silently.
-    ``curvature_batch_fraction`` is curvax's own.
+    The full reference, each argument and each ``stats`` key explained, is the docs page
+    ``docs/reference/optimizer.md`` ("Optimizer reference" in the built documentation).
 
     **The value_and_grad_func contract.** It is called as ``value_and_grad_func(params,
-    [func_state], [rng], batch)`` (``func_state`` only with ``value_func_has_state``, ``rng``
-    only with ``value_func_has_rng``, in that order) and returns ``(value, grads)``, the way
-    ``jax.value_and_grad(loss_fn, has_aux=...)`` does:
+    [func_state], [rng], batch)`` and returns ``(value, grads)`` like ``jax.value_and_grad``:
+    ``value`` is the scalar ``loss``, ``(loss, aux)`` with ``value_func_has_aux``, ``(loss,
+    new_func_state)`` with ``value_func_has_state``, ``(loss, (new_func_state, aux))`` with
+    both. ``grads`` is the gradient of ``loss``. This gradient is the one the step uses (taken
+    from curvax's own pass when ``init`` proves it equal: ``shares_gradient_pass``). Inside the
+    computation of ``loss`` the function must call a ``curvax.register_*_loss`` on the model's
+    output (e.g. ``register_softmax_cross_entropy_loss(logits, labels)``); ``init`` raises
+    ``ValueError`` when none is found. An L2 term in ``loss`` is declared through ``l2_reg``.
 
-    - ``value`` is the scalar ``loss`` when neither ``value_func_has_aux`` nor
-      ``value_func_has_state``; ``(loss, aux)`` with ``value_func_has_aux`` only; ``(loss,
-      new_func_state)`` with ``value_func_has_state`` only; ``(loss, (new_func_state, aux))``
-      with both. ``aux`` is any pytree (returned in ``stats["aux"]``); ``new_func_state`` is
-      returned by ``step`` and passed to the next one.
-    - ``grads`` is the gradient of ``loss`` with respect to ``params``, with their structure.
-      This gradient is the one the step uses. When ``init`` proves that curvax's own
-      linearized forward pass computes the same gradient (``shares_gradient_pass``), the step
-      takes it from that pass instead of calling the function again; otherwise it calls
-      ``value_and_grad_func`` every step.
-    - The function must register its loss: inside the computation of ``loss`` (the function
-      being differentiated, or ``value_func_for_estimator`` when given), call a
-      ``curvax.register_*_loss`` on the model's output (logits, predictions), e.g.
-      ``register_softmax_cross_entropy_loss(logits, labels)``. Registrations made outside it
-      are not seen, and ``init`` raises ``ValueError`` when none is found. ``loss`` is expected
-      to be a mean over the batch's examples; a registered loss with weight ``w`` stands for
-      ``w`` times the per-example loss averaged over the batch, so scale ``weight`` to match
-      any other normalisation (e.g. by sequence length). Regularisers in ``loss`` are not
-      registered; tell the optimizer about an L2 term through ``l2_reg``.
+    Every constructor argument of kfac-jax's documented API (in its positional order) and of
+    kfac-jax 0.0.8 (its additions keyword-only) is accepted; those curvax does not implement
+    accept their default only and raise ``NotImplementedError`` otherwise. The arguments, by
+    group (required: ``value_and_grad_func`` and ``l2_reg``):
 
-    The layers are found by tracing the value function (``jax.make_jaxpr``) at ``init``; it
-    need not be jitted, since the optimizer compiles the whole step once.
+    - The value function: ``value_and_grad_func``, ``l2_reg``, ``value_func_has_aux``,
+      ``value_func_has_state``, ``value_func_has_rng``, ``value_func_for_estimator``,
+      ``batch_process_func``, ``batch_size_extractor``.
+    - Learning rate and momentum: ``use_adaptive_learning_rate``, ``learning_rate_schedule``,
+      ``use_adaptive_momentum``, ``momentum_schedule``, ``norm_constraint``.
+    - Damping: ``use_adaptive_damping``, ``damping_schedule``, ``initial_damping``,
+      ``min_damping``, ``max_damping``, ``include_damping_in_quad_change``,
+      ``damping_adaptation_interval``, ``damping_adaptation_decay``,
+      ``damping_lower_threshold``, ``damping_upper_threshold``,
+      ``always_use_exact_qmodel_for_damping_adjustment``, ``precon_damping_mult``,
+      ``precon_damping_schedule``.
+    - The curvature estimate: ``estimation_mode``, ``curvature_ema``,
+      ``curvature_update_period``, ``curvature_batch_fraction``, ``num_burnin_steps``,
+      ``inverse_update_period``, ``inverse_update_staggered``, ``use_exact_inverses``.
+    - Layer detection: ``use_automatic_registration``, ``register_only_generic``,
+      ``patterns_to_skip``, ``auto_register_kwargs``, ``layer_tag_to_block_ctor``.
+    - Devices and debugging: ``multi_device``, ``pmap_axis_name``, ``debug``,
+      ``distributed_precon_apply``, ``distributed_inverses``.
+    - Statistics and attributes: ``include_norms_in_stats``,
+      ``include_per_param_norms_in_stats``, ``invalid_metric_value``,
+      ``forbid_setting_attributes_after_finalize``, ``modifiable_attribute_exceptions``.
+    - kfac-jax 0.0.8 arguments curvax does not implement:
+      ``regularized_parameters_path_exclusions``, ``use_initial_damping_calibration``,
+      ``use_step_rejection``, ``reject_damping_increase_factor``, ``custom_estimator_ctor``,
+      ``include_registered_loss_in_stats``, ``num_estimator_samples``,
+      ``should_vmap_estimator_samples``, ``norm_to_scale_identity_weight_per_block``,
+      ``precon_power``, ``exact_quad_model_matrix_type``.
 
-    **Statistics.** ``step`` returns a dict of scalar arrays (``aux`` excepted; with a leading
-    device axis under ``multi_device``). Values not computed on a step are nan.
-
-    - ``step``: the step counter after this step (1 after the first step).
-    - ``batch_size``: examples in this step's batch (summed over the devices under
-      ``multi_device``).
-    - ``data_seen``: examples processed so far, this step's included (burn-in excluded; summed
-      over the devices under ``multi_device``).
-    - ``loss``: the loss at the parameters before the update.
-    - ``new_loss``: the loss on the same batch after the update, computed only on the steps where
-      adaptive damping adapts (nan otherwise).
-    - ``learning_rate``: the coefficient ``lr`` of ``-lr * preconditioned gradient`` actually
-      applied (given, scheduled or adaptive; 0 when the update was skipped). ``norm_constraint``
-      rescales the preconditioned gradient, not this coefficient.
-    - ``momentum``: the coefficient of the previous update actually applied (0 when skipped).
-    - ``damping``: the damping used in this step (before adaptive damping moves it).
-    - ``rho``: the reduction ratio ``(new_loss - loss) / quad_model_change`` of adaptive damping,
-      on adapting steps (nan otherwise; -100 when it is not finite).
-    - ``quad_model_change``: the change of loss the quadratic model predicts for the update:
-      every step with an adaptive learning rate or momentum, on adapting steps with adaptive
-      damping, nan otherwise.
-    - ``update_skipped``: True when the loss, the preconditioned gradient or the coefficients
-      were not finite; the parameters were then left unchanged and the velocity reset to zero.
-    - ``updates_skipped``: how many steps so far skipped their update (a running count kept in
-      the state).
-    - ``curvature_update_skipped``: True when this step's curvature statistics came out
-      non-finite, or its loss did (e.g. a NaN example, or labels out of range whose statistics
-      would still be finite); that statistics update was dropped and the previous statistics
-      kept.
-    - ``curvature_updates_skipped``: how many statistics updates were dropped so far (burn-in
-      included; a running count kept in the state).
-    - ``learning_rate_invalid``, ``momentum_invalid``, ``damping_invalid``: True when the
-      given or scheduled value was out of range (not finite; a negative damping) where the
-      host could not check it (traced, or a schedule that leaves the range after step 0); the
-      update is then skipped and the log names the coefficient.
-    - ``loss_diverged``: True when the loss is finite but more than ``DIVERGENCE_FACTOR`` (1e3)
-      times the magnitude of the first finite loss (or of 1, if larger). A report only:
-      nothing is changed.
-    - ``scaled_grad_norm_sq``: only with ``norm_constraint``: ``lr**2 * g^T (C + (l2_reg +
-      damping) I)^-1 g`` before the rescaling.
-    - ``aux``: only with ``value_func_has_aux``: the ``aux`` output of the value function (averaged
-      over devices under ``multi_device``).
-    - ``param_norm``, ``grad_norm``, ``precon_grad_norm``, ``update_norm``: only with
-      ``include_norms_in_stats``: Euclidean norms of the parameters before the update, the
-      gradient, the preconditioned gradient and the update.
-    - ``param_norm(<path>)``, ``grad_norm(<path>)``, ``precon_grad_norm(<path>)``,
-      ``update_norm(<path>)``: only with ``include_per_param_norms_in_stats``: the same norms
-      for each parameter leaf, ``<path>`` being its ``/``-joined pytree path (e.g.
-      ``update_norm(dense/w)``).
-
-    Skipped updates, dropped statistics and a diverging loss are also logged as warnings on the
-    ``"curvax"`` logger, a few steps later at most (the step never waits for the device).
-
-    **kfac-jax's pmap mode.** ``multi_device=True`` is kept for code written against kfac-jax
-    (on several devices ``jax.sharding`` needs no special mode: see ``curvax.parallel``). Every
-    array passed to ``init``/``step`` carries a leading axis of ``jax.local_device_count()``;
-    the step runs under ``jax.pmap(axis_name=pmap_axis_name)``, averages the loss, gradient,
-    aux, curvature statistics, exact quadratic model and the damping's new loss over that axis,
-    and returns stats with the axis. ``debug`` does not apply in this mode (the step is always
-    pmapped).
-
-    Args:
-      value_and_grad_func: the user's function returning ``(value, grads)``; see the contract
-        above. Required.
-      l2_reg: the coefficient ``c`` of an L2 term ``c/2 * sum(params**2)`` that the user's loss
-        already contains (the optimizer does not add it). It is added to the curvature's
-        diagonal, together with the damping, in the preconditioner and the quadratic model.
-        Non-negative; required.
-      value_func_has_aux: whether the function's value carries an ``aux`` output (see the
-        contract). Default False.
-      value_func_has_state: whether the function takes a ``func_state`` after ``params`` and
-        returns the new one; ``init`` and ``step`` then need ``func_state``. Default False.
-      value_func_has_rng: whether the function takes a PRNG key after ``params`` (and
-        ``func_state``); the step passes it a key derived from ``step``'s ``rng``. Default False.
-      use_adaptive_learning_rate: choose the learning rate every step by minimising the
-        quadratic model (exact curvature, damped) along the preconditioned gradient (jointly
-        with the momentum when that is adaptive too). Then ``step`` must not get
-        ``learning_rate``. Suited to large or full batches. Default False: pass
-        ``learning_rate`` to ``step`` or a ``learning_rate_schedule``.
-      learning_rate_schedule: ``schedule(step_counter) -> learning rate``, called inside the
-        compiled step with the int32 step counter (0 at the first step). Excludes
-        ``use_adaptive_learning_rate`` and ``step(learning_rate=...)``. Unlike kfac-jax, it is
-        not passed ``data_seen``. Default None.
-      use_adaptive_momentum: choose the momentum every step from the quadratic model over the
-        span of the preconditioned gradient and the previous update. Then ``step`` must not get
-        ``momentum``. Default False: pass ``momentum`` to ``step`` or a ``momentum_schedule``.
-      momentum_schedule: ``schedule(step_counter) -> momentum``, as ``learning_rate_schedule``.
-        Default None.
-      use_adaptive_damping: adapt the damping with the Levenberg-Marquardt rule every
-        ``damping_adaptation_interval`` steps, from the reduction ratio ``rho`` of the loss
-        change to the quadratic model's prediction (one more forward pass on those steps).
-        Needs ``initial_damping``; then ``step`` must not get ``damping``. Default False: pass
-        ``damping`` to ``step`` or a ``damping_schedule``.
-      damping_schedule: ``schedule(step_counter) -> damping``, as ``learning_rate_schedule``.
-        Default None.
-      initial_damping: the damping adaptive damping starts from (required with
-        ``use_adaptive_damping``, unused otherwise). A finite number >= 0; 0 only with
-        ``l2_reg > 0`` (an undamped inverse is singular for most batches). Default None.
-      min_damping: lower bound adaptive damping clips to. Default 1e-8.
-      max_damping: upper bound adaptive damping clips to. Default infinity.
-      include_damping_in_quad_change: add the damping term ``damping/2 * |delta|^2`` to the
-        quadratic model's predicted change used for ``rho`` (the ``l2_reg`` term is always
-        included). Default False.
-      damping_adaptation_interval: adaptive damping acts on steps whose counter plus one is a
-        multiple of this. Positive integer; default 5.
-      damping_adaptation_decay: on an adapting step the damping is multiplied by ``decay **
-        interval`` when ``rho`` exceeds the upper threshold and divided by it when ``rho`` is
-        below the lower one. Default 0.9.
-      damping_lower_threshold: ``rho`` below this raises the damping. Default 0.25.
-      damping_upper_threshold: ``rho`` above this lowers the damping; not below the lower
-        threshold. Default 0.75.
-      always_use_exact_qmodel_for_damping_adjustment: with adaptive damping but a fixed or
-        scheduled learning rate and momentum, compute ``rho``'s predicted change with the exact
-        curvature (one more linearized product) rather than the block-diagonal estimate. With an
-        adaptive learning rate or momentum the exact model is always used. Default False.
-      norm_constraint: scale the update down so that ``lr**2 * g^T (C + (l2_reg + damping) I)^-1
-        g`` (the squared norm of the step in the damped estimated curvature) is at most this
-        value. Only with a fixed or scheduled learning rate. Default None (no constraint).
-      num_burnin_steps: curvature-only steps run by the first ``step`` (step counter 0) before
-        its update: each draws a batch (from ``data_iterator``, or reuses ``batch`` with a
-        warning) and updates the statistics with uniform weights, without moving the parameters.
-        Non-negative integer; default 10.
-      estimation_mode: how the curvature statistics are estimated: ``"fisher_gradients"``
-        (gradients of losses on labels sampled from the model), ``"fisher_empirical"`` (the
-        observed labels; needs registered targets), ``"fisher_curvature_prop"`` and
-        ``"ggn_curvature_prop"`` (random-sign factor products), ``"fisher_exact"`` and
-        ``"ggn_exact"`` (every factor column: exact, cost grows with the output size), or
-        ``"forward_only"`` (FOOF: Kronecker blocks keep their input factor only, no backward
-        pass). ``ggn_*`` also works with non-probabilistic losses. Default
-        ``"fisher_gradients"`` (kfac-jax 0.0.8's ``None`` is not accepted: name a mode).
-      curvature_ema: decay of the statistics' moving average: each update keeps ``ema`` of the
-        old average and adds the new batch's estimate, normalised by the accumulated weight (so
-        early estimates are not biased towards zero). In [0, 1]; default 0.95.
-      inverse_update_period: the blocks recompute their damped inverses (or eigenbases) every
-        this many steps, starting at step 0, with the damping of that step; other steps reuse
-        them. 1 computes them from the statistics every step. Positive integer; default 5.
-      use_exact_inverses: invert each Kronecker block's ``A (x) G + lambda I`` exactly through
-        both factors' eigendecompositions, instead of the cheaper factored (pi-adjusted)
-        damping approximation. Default False.
-      batch_process_func: applied to every batch before use (init, burn-in and step), inside the
-        compiled functions. Default None.
-      register_only_generic: give every parameter a generic (diagonal) block instead of
-        detecting layers; manually registered layer tags are still honoured. Default False.
-      patterns_to_skip: names of layer patterns automatic detection must not match (e.g.
-        ``"dense_with_bias"``, ``"conv2d_no_bias"``, ``"scale_and_shift_both"``; see
-        ``curvax.detection.known_pattern_names()``); their parameters go to another pattern or
-        fall back to generic blocks. Unknown names raise ``ValueError``. Default ``()``.
-      auto_register_kwargs: extra keyword arguments of the layer detection: ``graph_patterns``
-        (a sequence of ``curvax.patterns.GraphPattern`` replacing the built-in patterns) or
-        ``auto_register_tags`` (see ``use_automatic_registration``). Default None.
-      layer_tag_to_block_ctor: maps a layer tag's name (with or without kfac-jax's ``_tag``
-        suffix, e.g. ``"dense"``) or a layer variant (e.g. ``"repeated_dense"``) to the block
-        class used for such layers, instead of the default one. Default None.
-      multi_device: kfac-jax's pmap mode (see above). Default False.
-      debug: run ``init``/``step`` without ``jax.jit`` (eagerly), to debug the value function
-        with prints and breakpoints. Ignored under ``multi_device``. Default False.
-      batch_size_extractor: ``f(batch) -> number of examples`` (per device under
-        ``multi_device``), used for the curvature normalisation and ``stats``. Default: the
-        leading size of the batch's first leaf (``utils.default_batch_size_extractor``).
-      pmap_axis_name: the ``pmap`` axis name of ``multi_device``; a non-empty string. Default
-        ``"kfac_axis"``.
-      forbid_setting_attributes_after_finalize: after construction, setting a public attribute
-        raises ``AttributeError`` (the compiled step would not see the change). False allows
-        it. Default True.
-      modifiable_attribute_exceptions: names of public attributes that may still be set after
-        construction. Default ``()``.
-      include_norms_in_stats: add the global norms ``param_norm``, ``grad_norm``,
-        ``precon_grad_norm`` and ``update_norm`` to the step's stats. Default False.
-      include_per_param_norms_in_stats: add the same norms for each parameter leaf
-        (``grad_norm(<path>)``, ...). Default False.
-      distributed_precon_apply: on several devices (``multi_device=True``, or parameters on a
-        ``jax.sharding`` mesh), each device multiplies only its share of the blocks by their
-        inverses and one ``all_gather`` shares the results (``curvax.distributed``). The same
-        numbers as one device. Default True.
-      distributed_inverses: likewise for the inverse refresh: each device decomposes its share of
-        the blocks, dealt by cost (largest first onto the least-loaded device), and one
-        ``all_gather`` shares them. Default True.
-      curvature_update_period: update the curvature statistics only on steps whose counter is a
-        multiple of this; the other steps skip the sampled backward pass and the factor products
-        and precondition with the statistics they have (``curvature_ema`` then decays per
-        update, not per step). Positive integer; default 1 (every step).
-      curvature_batch_fraction: curvax's own: estimate the curvature on a random ``ceil(fraction
-        * n)`` examples of each batch of ``n``, drawn anew every step: the statistics (burn-in
-        included) and the exact quadratic model's curvature products ``v^T C w`` of the
-        adaptive learning rate and momentum. The gradient, the loss and the damping's reduction
-        ratio keep the whole batch. The curvature work shrinks with the fraction, at the price
-        of a separate forward pass on the sub-batch. In (0, 1]; default 1.0.
-      value_func_for_estimator: kfac-jax 0.0.8: a function with the value function's arguments
-        and value (not its gradient), traced for the curvature instead of
-        ``value_and_grad_func``, e.g. without costly regularisers; it must register the losses.
-        The loss and gradient still come from ``value_and_grad_func``. Default None.
-      precon_damping_mult: kfac-jax 0.0.8: the preconditioner's damping is the step's damping
-        times this (the quadratic model and adaptive damping keep the damping itself). Positive;
-        default 1.0.
-      precon_damping_schedule: kfac-jax 0.0.8: ``schedule(step_counter) -> damping`` for the
-        preconditioner only, replacing ``damping * precon_damping_mult``. Default None.
-      use_automatic_registration: kfac-jax 0.0.8: False skips layer detection: only layers
-        registered by hand (``curvax.register_dense`` etc.) get their blocks, every other
-        parameter a generic one. Default True.
-      regularized_parameters_path_exclusions: kfac-jax 0.0.8, not implemented: only ``""``.
-      use_initial_damping_calibration: kfac-jax 0.0.8, not implemented: only False.
-      use_step_rejection: kfac-jax 0.0.8, not implemented: only False.
-      reject_damping_increase_factor: kfac-jax 0.0.8, not implemented: only 1.0.
-      custom_estimator_ctor: kfac-jax 0.0.8, not implemented: only None.
-      invalid_metric_value: kfac-jax 0.0.8: the value of stats not computed on a step; only nan
-        is implemented.
-      include_registered_loss_in_stats: kfac-jax 0.0.8, not implemented: only False.
-      num_estimator_samples: kfac-jax 0.0.8, not implemented: only 1 (one sample per example).
-      should_vmap_estimator_samples: kfac-jax 0.0.8, not implemented: only False.
-      norm_to_scale_identity_weight_per_block: kfac-jax 0.0.8, not implemented: only None.
-      precon_power: kfac-jax 0.0.8, not implemented: only -1.0 (the inverse).
-      exact_quad_model_matrix_type: kfac-jax 0.0.8, not implemented: only None (the exact
-        quadratic model uses the GGN for ``ggn_*`` estimation modes, the Fisher otherwise).
-      inverse_update_staggered: ours. True spreads the refresh over the period: every block
-        refreshes at step 0, then block ``i`` at the steps ``t`` with ``t % inverse_update_period
-        == phase_i`` (``estimator.refresh_phases``, phases balanced by factor size), so no step
-        pays for all inverses. Needs ``inverse_update_period > 1``. Default False (kfac-jax's
-        schedule).
+    ``step`` returns a dict of scalar ``stats`` (``loss``, ``learning_rate``, ``momentum``,
+    ``damping``, ``update_skipped`` ...; nan where not computed on a step), listed in the
+    reference page. Skipped updates, dropped statistics and a diverging loss are also logged as
+    warnings on the ``"curvax"`` logger.
 
     Raises:
-      ValueError, TypeError: for contradictory or out-of-range arguments, naming the argument
-        (e.g. an adaptive learning rate together with a schedule).
+      ValueError, TypeError: for contradictory or out-of-range arguments, naming the argument.
       NotImplementedError: for a non-default value of a kfac-jax 0.0.8 argument curvax does not
         implement.
     """
@@ -396,7 +193,7 @@ class Optimizer:
     ):
         """Checks the arguments and builds the (not yet traced) curvature estimator.
 
-        Every argument is explained in the class docstring (``help(curvax.Optimizer)``). Nothing
+        Every argument is explained in ``docs/reference/optimizer.md``. Nothing
         is traced or compiled here: ``init`` traces the value function on its example batch.
         """
         args = {name: value for name, value in locals().items() if name != "self"}

@@ -9,8 +9,6 @@ registered for that variant. Oracles: the Kronecker factors of a dense layer,
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,84 +16,25 @@ import pytest
 
 import curvax
 from curvax import blocks, estimators, preconditioner
-from curvax.kfac_api.tracer import LayerData, LayerVjpData
+from dense_blocks import (
+    B, CALLS, D_IN, D_OUT, DOC_INPUT_SCALE, KEY, DocBlock, V008Block, dense_problem, layer_data, oracle_factors,
+    update_in_generation,
+)
 
 pytestmark = pytest.mark.usefixtures("x64")
-
-KEY = jax.random.PRNGKey(0)
-B, D_IN, D_OUT = 5, 3, 2
-
-
-def _problem(variant=None, seed=0):
-    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
-    params = {"w": jax.random.normal(k1, (D_IN, D_OUT)), "b": jax.random.normal(k2, (D_OUT,))}
-    x = jax.random.normal(k3, (B, D_IN))
-    t = jax.random.normal(k4, (B, D_OUT))
-
-    def loss(p, batch):
-        xb, tb = batch
-        y = xb @ p["w"] + p["b"]
-        kw = {} if variant is None else {"variant": variant}
-        y = curvax.register_dense(y, xb, p["w"], p["b"], **kw)
-        curvax.register_squared_error_loss(y, tb)
-        return jnp.mean(jnp.sum((y - tb) ** 2, axis=-1))
-
-    return loss, params, (x, t)
-
-
-def _oracle_factors(params, batch):
-    """``A`` (bias row included) and ``G`` for the exact GGN of the squared error (M = 2 I)."""
-    x, _ = batch
-    xa = jnp.concatenate([x, jnp.ones((B, 1))], axis=1)
-    a = xa.T @ xa / B
-    # ggn_exact: each example's cotangents span sqrt(M) = sqrt(2) I, so G = 2 I (mean over examples).
-    g = 2.0 * jnp.eye(D_OUT)
-    return a, g
-
-
-CALLS: list = []
-
-
-class V008Block(blocks.DenseTwoKroneckerFactored):
-    """A v0.0.8-style override (FermiNet's pattern): doubles dy, then calls super by keyword."""
-
-    def update_curvature_matrix_estimate(self, state, estimation_data, ema_old, ema_new, identity_weight, batch_size):
-        CALLS.append(("v008", type(estimation_data).__name__, identity_weight))
-        [dy] = estimation_data.tangents.outputs
-        estimation_data = dataclasses.replace(
-            estimation_data, tangents=dataclasses.replace(estimation_data.tangents, outputs=(2.0 * dy,))
-        )
-        return super().update_curvature_matrix_estimate(
-            state=state, estimation_data=estimation_data, ema_old=ema_old, ema_new=ema_new,
-            identity_weight=identity_weight, batch_size=batch_size,
-        )
-
-
-class DocBlock(blocks.DenseTwoKroneckerFactored):
-    """A documented-style override: triples the inputs, then calls super positionally."""
-
-    def update_curvature_matrix_estimate(self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None):
-        CALLS.append(("doc", type(estimation_data).__name__, pmap_axis_name))
-        data = dict(estimation_data)
-        data["inputs"] = tuple(3.0 * x for x in data["inputs"])
-        return super().update_curvature_matrix_estimate(state, data, ema_old, ema_new, batch_size, pmap_axis_name)
 
 
 def _estimate(loss, params, batch, v008_call, **kwargs):
     est = curvax.BlockDiagonalCurvature(loss, **kwargs)
     state = est.init(KEY, (params, batch), None, None, False)
-    if v008_call:  # v0.0.8 positional order: identity_weight before batch_size
-        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, 0.25, B, KEY, (params, batch), "ggn_exact")
-    else:
-        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, B, KEY, (params, batch), estimation_mode="ggn_exact")
-    return est, state
+    return est, update_in_generation(est, state, params, batch, v008_call)
 
 
 @pytest.mark.parametrize("v008_call", [False, True])
 def test_builtin_block_either_call_order(v008_call):
-    loss, params, batch = _problem()
+    loss, params, batch = dense_problem()
     est, state = _estimate(loss, params, batch, v008_call)
-    a, g = _oracle_factors(params, batch)
+    a, g = oracle_factors(batch)
     (s,) = state.blocks_states
     np.testing.assert_allclose(s.inputs_factor.value, a, rtol=1e-10)
     np.testing.assert_allclose(s.outputs_factor.value, g, rtol=1e-10, atol=1e-12)
@@ -103,14 +42,14 @@ def test_builtin_block_either_call_order(v008_call):
 
 @pytest.mark.parametrize("v008_call", [False, True])
 def test_v008_style_override_is_called_and_changes_statistics(v008_call):
-    loss, params, batch = _problem()
+    loss, params, batch = dense_problem()
     CALLS.clear()
     est, state = _estimate(loss, params, batch, v008_call, layer_tag_to_block_ctor={"dense": V008Block})
     assert isinstance(est.blocks[0], V008Block)
     assert CALLS and all(c[0] == "v008" and c[1] == "LayerVjpData" for c in CALLS)
     # The v0.0.8 estimator call hands its identity_weight through; the documented one has none.
     assert all(float(c[2]) == (0.25 if v008_call else 0.0) for c in CALLS)
-    a, g = _oracle_factors(params, batch)
+    a, g = oracle_factors(batch)
     (s,) = state.blocks_states
     np.testing.assert_allclose(s.inputs_factor.value, a, rtol=1e-10)
     np.testing.assert_allclose(s.outputs_factor.value, 4.0 * g, rtol=1e-10, atol=1e-12)
@@ -118,35 +57,18 @@ def test_v008_style_override_is_called_and_changes_statistics(v008_call):
 
 @pytest.mark.parametrize("v008_call", [False, True])
 def test_documented_style_override_is_called_and_changes_statistics(v008_call):
-    loss, params, batch = _problem()
+    loss, params, batch = dense_problem()
     CALLS.clear()
     est, state = _estimate(loss, params, batch, v008_call, layer_tag_to_block_ctor={"dense": DocBlock})
     assert CALLS and all(c[0] == "doc" and c[1] == "dict" for c in CALLS)
-    a, g = _oracle_factors(params, batch)
-    scale = jnp.array([3.0] * D_IN + [1.0])  # inputs tripled, the bias column is not
+    a, g = oracle_factors(batch)
     (s,) = state.blocks_states
-    np.testing.assert_allclose(s.inputs_factor.value, a * jnp.outer(scale, scale), rtol=1e-10)
+    np.testing.assert_allclose(s.inputs_factor.value, a * np.outer(DOC_INPUT_SCALE, DOC_INPUT_SCALE), rtol=1e-10)
     np.testing.assert_allclose(s.outputs_factor.value, g, rtol=1e-10, atol=1e-12)
 
 
-def _block_and_data():
-    loss, params, batch = _problem()
-    est = curvax.BlockDiagonalCurvature(loss)
-    est.finalize((params, batch))
-    eqn = est.processed_jaxpr.layer_tags[0]
-    x = batch[0]
-    dy = jax.random.normal(jax.random.PRNGKey(7), (B, D_OUT))
-    data = {"inputs": (x,), "outputs": (), "params": (params["w"], params["b"]), "outputs_tangent": (dy,), "params_tangent": ()}
-    xa = jnp.concatenate([x, jnp.ones((B, 1))], axis=1)
-    return eqn, data, xa.T @ xa / B, dy.T @ dy / B
-
-
 def test_direct_block_calls_in_both_orders_and_formats():
-    eqn, data, a, g = _block_and_data()
-    vjp = LayerVjpData(
-        primals=LayerData(inputs=data["inputs"], outputs=(), params=data["params"]),
-        tangents=LayerData(inputs=(), outputs=data["outputs_tangent"], params=()),
-    )
+    eqn, data, vjp, a, g = layer_data()
     for cls, g_scale in ((blocks.DenseTwoKroneckerFactored, 1.0), (V008Block, 4.0)):
         block = blocks.construct_block(cls, eqn, "layer")
         s0 = block.init(KEY, None, None, False)
@@ -162,7 +84,7 @@ def test_direct_block_calls_in_both_orders_and_formats():
 
 
 def test_unreadable_calls_and_overrides_raise():
-    eqn, data, _, _ = _block_and_data()
+    eqn, data, _, _, _ = layer_data()
     block = blocks.DenseTwoKroneckerFactored(eqn, "layer")
     s0 = block.init(KEY, None, None, False)
     with pytest.raises(TypeError, match="neither kfac-jax signature"):
@@ -177,7 +99,7 @@ def test_unreadable_calls_and_overrides_raise():
             def update_curvature_matrix_estimate(self, state, batch_size, *args):
                 return state
 
-    loss, params, batch = _problem()
+    loss, params, batch = dense_problem()
     est = curvax.BlockDiagonalCurvature(loss)
     state = est.init(KEY, (params, batch), None, None, False)
     with pytest.raises(TypeError, match="neither kfac-jax signature"):  # func_args where the rng belongs
@@ -193,7 +115,7 @@ class V008Ctor(blocks.DenseFull):
 
 
 def test_v008_constructor_without_name():
-    loss, params, batch = _problem()
+    loss, params, batch = dense_problem()
     est = curvax.BlockDiagonalCurvature(loss, layer_tag_to_block_ctor={"dense": V008Ctor})
     est.init(KEY, (params, batch), None, None, False)
     (block,) = est.blocks
@@ -206,8 +128,8 @@ class VariantBlock(V008Block):
 
 
 def test_variant_chooses_block_from_table_and_defaults():
-    loss, params, batch = _problem(variant="my_variant")
-    a, g = _oracle_factors(params, batch)
+    loss, params, batch = dense_problem(variant="my_variant")
+    a, g = oracle_factors(batch)
     # layer_tag_to_block_ctor keyed by the variant.
     est, state = _estimate(loss, params, batch, True, layer_tag_to_block_ctor={"my_variant": VariantBlock})
     assert isinstance(est.blocks[0], VariantBlock)
@@ -229,7 +151,7 @@ def test_variant_chooses_block_from_table_and_defaults():
     finally:
         blocks._DEFAULT_TAG_TO_BLOCK_CTOR.pop("my_variant", None)
     # kfac-jax's built-in variant default.
-    loss_r, params_r, batch_r = _problem(variant="repeated_dense")
+    loss_r, params_r, batch_r = dense_problem(variant="repeated_dense")
     est, _ = _estimate(loss_r, params_r, batch_r, True)
     assert type(est.blocks[0]) is blocks.RepeatedDenseKroneckerFactored
 
@@ -293,7 +215,7 @@ def test_4d_weight_variant_gets_its_block():
 
 def test_estimator_v008_members():
     assert curvax.CurvatureEstimator[estimators.StateType] is not None
-    loss, params, batch = _problem()
+    loss, params, batch = dense_problem()
     est = curvax.BlockDiagonalCurvature(loss, layer_tag_to_block_ctor={"dense": blocks.DenseFull})
     state = est.init(KEY, (params, batch), None, None, False)
     state = est.update_curvature_matrix_estimate(
@@ -322,7 +244,7 @@ def test_estimator_v008_members():
 
 
 def test_optax_preconditioner_v008():
-    loss, params, batch = _problem()
+    loss, params, batch = dense_problem()
     damping = 0.3
     pre = preconditioner.OptaxPreconditioner(
         loss, damping=damping, curvature_ema=0.0, estimation_mode="ggn_exact", inverse_update_period=1,

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from curvax import blocks, linalg, tags, utils
-
+import extension_guide
+from curvax import blocks, linalg, tags
+from layer_eqns import dense_eqn, generic_eqn
 
 pytestmark = pytest.mark.usefixtures("x64")
 
@@ -18,32 +17,6 @@ pytestmark = pytest.mark.usefixtures("x64")
 # ----------------------------------------------------------------------------------
 # Builders
 # ----------------------------------------------------------------------------------
-
-
-def sds(shape):
-    return jax.ShapeDtypeStruct(tuple(shape), jnp.float64)
-
-
-def dense_eqn(d_in, d_out, bias=True, layout="io", batch=4, extra=()):
-    w_shape = (d_in, d_out) if layout == "io" else (d_out, d_in)
-    params = (sds(w_shape),) + ((sds((d_out,)),) if bias else ())
-    return tags.LayerTagEqn(
-        primitive=tags.dense,
-        outputs=(sds((batch, *extra, d_out)),),
-        inputs=(sds((batch, *extra, d_in)),),
-        params=params,
-        param_indices=tuple(range(len(params))),
-        meta={"kernel_layout": layout},
-        name="layer",
-    )
-
-
-def generic_eqn(*shapes):
-    params = tuple(sds(s) for s in shapes)
-    return tags.LayerTagEqn(
-        primitive=tags.generic, outputs=(), inputs=(), params=params,
-        param_indices=tuple(range(len(params))), meta={}, name="gen",
-    )
 
 
 def dense_data(seed, d_in, d_out, bias=True, layout="io", batch=4, extra=()):
@@ -141,7 +114,7 @@ def test_weighted_moving_average_semantics():
 
 @pytest.mark.parametrize("layout,bias", [("io", True), ("oi", False)])
 def test_single_example_kronecker_is_exact_fisher(layout, bias):
-    eqn = dense_eqn(3, 2, bias, layout, batch=1)
+    eqn = dense_eqn(3, 2, 1, bias=bias, layout=layout)
     data, g = dense_data(0, 3, 2, bias, layout, batch=1)
     for block in (blocks.DenseTwoKroneckerFactored(eqn, "l"), blocks.DenseFull(eqn, "l")):
         state = updated_state(block, [data], 1)
@@ -155,7 +128,7 @@ def test_single_example_kronecker_is_exact_fisher(layout, bias):
 )
 def test_dense_blocks_match_definitions(layout, bias, extra):
     batch, d_in, d_out = 5, 3, 2
-    eqn = dense_eqn(d_in, d_out, bias, layout, batch, extra)
+    eqn = dense_eqn(d_in, d_out, batch, extra, bias, layout)
     data, g = dense_data(1, d_in, d_out, bias, layout, batch, extra)
 
     full = blocks.DenseFull(eqn, "l")
@@ -193,7 +166,7 @@ def _unflat(block, vec):
 
 
 def test_moving_average_of_dense_estimates():
-    eqn = dense_eqn(3, 2, True, "io", 4)
+    eqn = dense_eqn(3, 2, 4)
     d1, g1 = dense_data(1, 3, 2, True, "io", 4)
     d2, g2 = dense_data(2, 3, 2, True, "io", 4)
     full = blocks.DenseFull(eqn, "l")
@@ -210,7 +183,7 @@ def test_moving_average_of_dense_estimates():
 @pytest.mark.parametrize("layout,bias", [("io", True), ("oi", True), ("oi", False)])
 def test_kronecker_powers(layout, bias):
     batch, lam = 4, 0.3
-    eqn = dense_eqn(3, 2, bias, layout, batch)
+    eqn = dense_eqn(3, 2, batch, bias=bias, layout=layout)
     block = blocks.DenseTwoKroneckerFactored(eqn, "l")
     datas = [dense_data(s, 3, 2, bias, layout, batch)[0] for s in (3, 4)]
     v = random_vector(block)
@@ -348,7 +321,7 @@ def test_scales_are_consistent(fixed, dep):
             return jnp.asarray(dep) * jnp.ones_like(state.inputs_factor.weight)
 
     batch, lam = 4, 0.3
-    eqn = dense_eqn(3, 2, True, "io", batch)
+    eqn = dense_eqn(3, 2, batch)
     data, _ = dense_data(2, 3, 2, True, "io", batch)
     plain, scaled = blocks.DenseTwoKroneckerFactored(eqn, "l"), Scaled(eqn, "l")
     kw = dict(exact_powers_to_cache=-1, approx_powers_to_cache=-1, cache_eigenvalues=True)
@@ -373,7 +346,7 @@ def test_scales_are_consistent(fixed, dep):
 
 def test_jit_fori_loop_and_cond_keep_structure():
     batch, lam = 4, 0.3
-    eqn = dense_eqn(3, 2, True, "oi", batch)
+    eqn = dense_eqn(3, 2, batch, layout="oi")
     data, _ = dense_data(3, 3, 2, True, "oi", batch)
     block = blocks.DenseTwoKroneckerFactored(eqn, "l")
     state0 = block.init(jax.random.PRNGKey(0), -1, -1, False)
@@ -402,46 +375,11 @@ def test_jit_fori_loop_and_cond_keep_structure():
 # ----------------------------------------------------------------------------------
 
 
-class GuideDenseTwoKroneckerFactored(blocks.TwoKroneckerFactored):
-    """A TwoKroneckerFactored block specifically for dense layers (guide example)."""
-
-    def input_size(self) -> int:
-        if self.has_bias:
-            return self.parameters_shapes[0][0] + 1
-        else:
-            return self.parameters_shapes[0][0]
-
-    def output_size(self) -> int:
-        return self.parameters_shapes[0][1]
-
-    def update_curvature_matrix_estimate(
-        self,
-        state: blocks.TwoKroneckerFactored.State,
-        estimation_data: Mapping[str, Sequence[jax.Array]],
-        ema_old,
-        ema_new,
-        batch_size: int,
-        pmap_axis_name: Optional[str],
-    ) -> blocks.TwoKroneckerFactored.State:
-        del pmap_axis_name
-        x, = estimation_data["inputs"]
-        dy, = estimation_data["outputs_tangent"]
-        assert utils.first_dim_is_size(batch_size, x, dy)
-        if self.has_bias:
-            x_one = jnp.ones_like(x[:, :1])
-            x = jnp.concatenate([x, x_one], axis=1)
-        input_stats = jnp.matmul(x.T, x) / batch_size
-        output_stats = jnp.matmul(dy.T, dy) / batch_size
-        state.inputs_factor.update(input_stats, ema_old, ema_new)
-        state.outputs_factor.update(output_stats, ema_old, ema_new)
-        return state
-
-
 def test_extension_guide_custom_block():
     batch, lam = 4, 0.2
-    eqn = dense_eqn(3, 2, True, "io", batch)
+    eqn = dense_eqn(3, 2, batch)
     data, _ = dense_data(4, 3, 2, True, "io", batch)
-    custom = GuideDenseTwoKroneckerFactored(eqn, "custom")
+    custom = extension_guide.DenseTwoKroneckerFactored(eqn, "custom")
     builtin = blocks.DenseTwoKroneckerFactored(eqn, "builtin")
     sc = custom.init(jax.random.PRNGKey(0), None, -1, False)
     sc = custom.update_curvature_matrix_estimate(sc, data, 0.0, 1.0, batch, None)
@@ -486,7 +424,7 @@ def test_defaults():
 
 
 def test_block_properties():
-    eqn = dense_eqn(3, 2, True, "oi", 4)
+    eqn = dense_eqn(3, 2, 4, layout="oi")
     eqn = tags.LayerTagEqn(eqn.primitive, eqn.outputs, eqn.inputs, eqn.params, (7, 2), eqn.meta, eqn.name)
     block = blocks.DenseTwoKroneckerFactored(eqn, "l")
     assert block.name == "l" and block.layer_tag_primitive is tags.dense
@@ -498,7 +436,7 @@ def test_block_properties():
 
 
 def test_errors():
-    eqn = dense_eqn(3, 2, True, "io", 4)
+    eqn = dense_eqn(3, 2, 4)
     block = blocks.DenseTwoKroneckerFactored(eqn, "l")
     with pytest.raises(NotImplementedError, match="-0.5"):
         block.init(jax.random.PRNGKey(0), None, [-1, -0.5], False)

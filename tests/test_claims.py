@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import curvax
+import models
 
 # --- one NaN example on one device: every device skips ------------------------------------
 
@@ -161,69 +162,18 @@ def test_one_nan_example_on_one_device_skips_the_step_on_every_device():
 L, T, D, H, V, B = 2, 3, 4, 5, 5, 2  # layers, tokens, width, MLP hidden, vocabulary, sequences
 
 
-def _layer_norm(x, scale, shift):
-    mean = x.mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-6) * scale + shift
-
-
-def _block(h, q):
-    lin = lambda x, n: x @ q[n + "_w"] + q[n + "_b"]
-    a = _layer_norm(h, q["ln_s"], q["ln_b"])
-    scores = jnp.einsum("btd,bsd->bts", lin(a, "q"), lin(a, "k")) / np.sqrt(D)
-    mask = jnp.tril(jnp.ones((T, T), bool))
-    h = h + lin(jax.nn.softmax(jnp.where(mask, scores, -1e9), -1) @ lin(a, "v"), "o")
-    return h + lin(jax.nn.gelu(lin(h, "m1")), "m2")
-
-
-def _params():
-    shapes = {"ln_s": (D,), "ln_b": (D,)}
-    for n, (i, o) in {"q": (D, D), "k": (D, D), "v": (D, D), "o": (D, D), "m1": (D, H), "m2": (H, D)}.items():
-        shapes[n + "_w"], shapes[n + "_b"] = (i, o), (o,)
-    keys = jax.random.split(jax.random.PRNGKey(3), len(shapes) + 2)
-    stack = {n: jax.random.normal(k, (L,) + s) / np.sqrt(s[0]) for k, (n, s) in zip(keys, shapes.items())}
-    return {"stack": stack, "emb": jax.random.normal(keys[-2], (V, D)), "out": jax.random.normal(keys[-1], (D, V)) / 3}
-
-
-def _xent(model):
-    def loss(p, data):
-        ids, labels = data
-        logits = model(p, ids)
-        curvax.register_softmax_cross_entropy_loss(logits, labels)
-        return -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)) / ids.shape[0]
-
-    return loss
-
-
-def _scan_model(p, ids):
-    h, _ = jax.lax.scan(lambda h, q: (_block(h, q), None), p["emb"][ids], p["stack"])
-    return h @ p["out"]
-
-
-def _loop_model(p, ids):
-    h = p["emb"][ids]
-    for q in p["layers"]:
-        h = _block(h, q)
-    return h @ p["out"]
-
-
-def _flat_index(tree):
-    """Path -> the flat positions of that leaf in ``to_dense_matrix``'s order."""
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    offsets = np.cumsum([0] + [leaf.size for _, leaf in leaves])
-    return {jax.tree_util.keystr(path): np.arange(offsets[i], offsets[i + 1]) for i, (path, _) in enumerate(leaves)}
-
-
 @pytest.mark.usefixtures("x64")
 def test_stacked_transformer_in_scan_has_exactly_the_python_loops_curvature(mode="ggn_exact"):
     """(``tests/test_scan.py``'s slow transformer test, smaller: 2 layers, width 4, 2 sequences of 3
     tokens, the exact GGN; the sampled modes share the machinery and run there.)"""
-    p = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), _params())
+    p = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64),
+                               models.transformer_params(jax.random.PRNGKey(3), L, D, H, V))
     ids = jax.random.randint(jax.random.PRNGKey(4), (B, T + 1), 0, V)
     data = (ids[:, :-1], ids[:, 1:])
-    listed = {"layers": [{n: a[l] for n, a in p["stack"].items()} for l in range(L)], "emb": p["emb"], "out": p["out"]}
+    listed = models.unstack_transformer(p)
     mats, ests = [], []
-    for model, params in ((_scan_model, p), (_loop_model, listed)):
-        est = curvax.BlockDiagonalCurvature(_xent(model))
+    for model, params in ((models.transformer_scan, p), (models.transformer_loop, listed)):
+        est = curvax.BlockDiagonalCurvature(models.xent_loss(model))
         state = est.init(jax.random.PRNGKey(0), (params, data), None, None, False)
         state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, B, jax.random.PRNGKey(5), (params, data),
                                                      estimation_mode=mode)
@@ -234,14 +184,7 @@ def test_stacked_transformer_in_scan_has_exactly_the_python_loops_curvature(mode
     assert scanned == sorted([("dense", "dense_with_bias")] * 6 + [("scale_and_shift", "scale_and_shift_both")])
     assert not any(s.pattern == "generic" for s in sites)
     # The stacked matrix in the loop's parameter order.
-    pos_s, pos_l = _flat_index(p), _flat_index(listed)
-    perm = np.zeros(mats[0].shape[0], dtype=int)
-    for n, a in p["stack"].items():
-        size = a[0].size
-        for l in range(L):
-            perm[pos_s[f"['stack']['{n}']"][l * size:(l + 1) * size]] = pos_l[f"['layers'][{l}]['{n}']"]
-    for n in ("emb", "out"):
-        perm[pos_s[f"['{n}']"]] = pos_l[f"['{n}']"]
+    perm = models.loop_order(p, listed, "stack")
     assert sorted(perm.tolist()) == list(range(len(perm)))
     # "Exactly": the same statistics up to float64 summation order.
     np.testing.assert_allclose(mats[0], mats[1][np.ix_(perm, perm)], rtol=1e-12, atol=1e-14)

@@ -3,14 +3,16 @@
 By introspection: each parameter of the optimizer's constructor, ``init`` and ``step``, of
 ``kfac_preconditioner``, of the Laplace functions and of the estimators' public methods is named
 in the corresponding docstring, as an ``Args:`` entry (``name:`` at the start of a line) or in
-double backquotes; every key of the stats a real optimizer step returns is named in the
-``Optimizer`` docstring.
+double backquotes. The optimizer's full reference lives in ``docs/reference/optimizer.md``: every
+constructor argument has an entry there (and is named, in the same group, in the ``Optimizer``
+docstring), and every key of the stats a real optimizer step returns is explained there.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,8 @@ import pytest
 
 import curvax
 from curvax import estimators, laplace
+
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "optimizer.md"
 
 
 def _documented(doc: str, name: str) -> bool:
@@ -43,24 +47,54 @@ def test_documented_matches_only_real_mentions():
     assert not _documented(doc, "beta") and not _documented(doc, "epsilon") and not _documented(doc, "zeta")
 
 
-def test_optimizer_constructor_arguments_are_explained_in_the_class_docstring():
-    doc = inspect.getdoc(curvax.Optimizer)
-    assert "Args:" in doc
+def _reference_entries() -> dict[str, str]:
+    """``{argument: explanation}`` of the reference page's ``- `name`: text`` entries (text unwrapped)."""
+    text = REFERENCE.read_text()
+    arguments = text.split("## Constructor arguments", 1)[1].split("\n## ", 1)[0]
+    return {name: " ".join(body.split()) for name, body in re.findall(r"^- `(\w+)`: (.*(?:\n  .*)*)", arguments, re.M)}
+
+
+def _reference_groups() -> dict[str, list[str]]:
+    """The reference page's argument groups: ``{### title: [argument, ...]}``."""
+    arguments = REFERENCE.read_text().split("## Constructor arguments", 1)[1].split("\n## ", 1)[0]
+    sections = re.split(r"^### (.+)$", arguments, flags=re.M)[1:]
+    return {title: re.findall(r"^- `(\w+)`:", body, re.M) for title, body in zip(sections[::2], sections[1::2])}
+
+
+def test_every_optimizer_argument_has_an_entry_in_the_reference_page():
+    params = [p for p in inspect.signature(curvax.Optimizer.__init__).parameters if p != "self"]
+    entries = _reference_entries()
+    assert sorted(entries) == sorted(params), set(entries) ^ set(params)
+    short = [name for name, text in entries.items() if len(text) < 20]
+    assert not short, f"reference entries without an explanation: {short}"
+
+
+def test_optimizer_docstring_names_every_argument_in_the_reference_page_groups():
+    doc = " ".join(inspect.getdoc(curvax.Optimizer).split())
+    assert "docs/reference/optimizer.md" in doc
     missing = _undocumented(curvax.Optimizer.__init__, doc)
     assert not missing, f"Optimizer arguments missing from help(curvax.Optimizer): {missing}"
+    for title, names in _reference_groups().items():
+        # The docstring's "- Title: ``a``, ``b``." lists exactly the page's section of that title.
+        found = re.search(rf"- {re.escape(title)}: ((?:``\w+``(?:, )?)+)\.", doc)
+        assert found, title
+        assert re.findall(r"``(\w+)``", found.group(1)) == names, title
 
 
 def test_optimizer_docstring_explains_the_value_and_grad_func_contract():
     doc = " ".join(inspect.getdoc(curvax.Optimizer).split())
+    page = " ".join(REFERENCE.read_text().split())
     # The four shapes of the value, the gradient actually used and where the loss is registered.
     for text in ("the scalar ``loss``", "``(loss, aux)``", "``(loss, new_func_state)``", "``(loss, (new_func_state, aux))``",
                  "This gradient is the one the step uses", "register_*_loss"):
         assert text in doc, text
+        assert text.replace("``", "`") in page, text
 
 
 def test_kfac_jax_008_arguments_curvax_does_not_implement_say_so():
-    doc = inspect.getdoc(curvax.Optimizer)
-    entries = dict(re.findall(r"^  (\w+): (.*(?:\n    .*)*)", doc, re.M))
+    entries = _reference_entries()
+    not_implemented = _reference_groups()["kfac-jax 0.0.8 arguments curvax does not implement"]
+    assert sorted(not_implemented) == sorted(n for n, text in entries.items() if "not implemented: only" in text)
     for name in ("regularized_parameters_path_exclusions", "use_initial_damping_calibration",
                  "use_step_rejection", "reject_damping_increase_factor", "custom_estimator_ctor",
                  "include_registered_loss_in_stats", "num_estimator_samples",
@@ -167,7 +201,7 @@ def _stats_keys(**kwargs) -> set[str]:
     ids=["norms", "adaptive"],
 )
 def test_every_stats_key_is_documented(kwargs):
-    doc = inspect.getdoc(curvax.Optimizer)
+    page = REFERENCE.read_text().split("## Statistics", 1)[1]
     keys = _stats_keys(**kwargs)
     assert {"loss", "aux", "update_skipped"} <= keys
     if kwargs.get("include_per_param_norms_in_stats"):
@@ -176,6 +210,6 @@ def test_every_stats_key_is_documented(kwargs):
     for key in sorted(keys):
         per_param = re.fullmatch(r"(\w+)\((.+)\)", key)
         name = f"{per_param.group(1)}(<path>)" if per_param else key
-        if f"``{name}``" not in doc:
+        if f"`{name}`" not in page:
             missing.append(key)
-    assert not missing, f"stats keys not documented in help(curvax.Optimizer): {missing}"
+    assert not missing, f"stats keys not documented in docs/reference/optimizer.md: {missing}"

@@ -10,24 +10,12 @@ import numpy as np
 import pytest
 
 import curvax
-from curvax import blocks, tags
+from curvax import blocks
+from layer_eqns import dense_eqn
 
 pytestmark = pytest.mark.usefixtures("x64")
 
 KEY = jax.random.PRNGKey(0)
-
-
-def sds(shape):
-    return jax.ShapeDtypeStruct(tuple(shape), jnp.float64)
-
-
-def dense_eqn(d_in, d_out, batch, extra=(), bias=True, layout="io"):
-    w_shape = (d_in, d_out) if layout == "io" else (d_out, d_in)
-    params = (sds(w_shape),) + ((sds((d_out,)),) if bias else ())
-    return tags.LayerTagEqn(
-        primitive=tags.dense, outputs=(sds((batch, *extra, d_out)),), inputs=(sds((batch, *extra, d_in)),),
-        params=params, param_indices=tuple(range(len(params))), meta={"kernel_layout": layout}, name="layer",
-    )
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

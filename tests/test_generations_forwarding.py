@@ -13,80 +13,29 @@ error, ``G = 2 I`` (or ``dY^T dY / B`` for given output tangents).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import curvax
-from curvax import blocks, estimators
-from curvax.kfac_api.tracer import LayerData, LayerVjpData
+from curvax import blocks
+from dense_blocks import (
+    B, CALLS, DOC_INPUT_SCALE, KEY, DocBlock, V008Block, dense_problem, layer_data, oracle_factors, update_in_generation,
+)
 
 pytestmark = pytest.mark.usefixtures("x64")
 
-KEY = jax.random.PRNGKey(0)
-B, D_IN, D_OUT = 5, 3, 2
-LOG: list = []
-
-
-def _problem():
-    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(3), 4)
-    params = {"w": jax.random.normal(k1, (D_IN, D_OUT)), "b": jax.random.normal(k2, (D_OUT,))}
-    x = jax.random.normal(k3, (B, D_IN))
-    t = jax.random.normal(k4, (B, D_OUT))
-
-    def loss(p, batch):
-        xb, tb = batch
-        y = curvax.register_dense(xb @ p["w"] + p["b"], xb, p["w"], p["b"])
-        curvax.register_squared_error_loss(y, tb)
-        return jnp.mean(jnp.sum((y - tb) ** 2, axis=-1))
-
-    return loss, params, (x, t)
-
-
-def _oracle(batch):
-    x, _ = batch
-    xa = jnp.concatenate([x, jnp.ones((B, 1))], axis=1)
-    return np.asarray(xa.T @ xa / B), 2.0 * np.eye(D_OUT)
-
-
-# --- the blocks forwarded to -----------------------------------------------------------
-
-
-class V008Block(blocks.DenseTwoKroneckerFactored):
-    """v0.0.8 style: ``LayerVjpData`` and ``identity_weight``; doubles dy (G becomes 4 G)."""
-
-    def update_curvature_matrix_estimate(self, state, estimation_data, ema_old, ema_new, identity_weight, batch_size):
-        LOG.append(("v008", type(estimation_data).__name__, float(identity_weight)))
-        [dy] = estimation_data.tangents.outputs
-        estimation_data = dataclasses.replace(
-            estimation_data, tangents=dataclasses.replace(estimation_data.tangents, outputs=(2.0 * dy,))
-        )
-        return super().update_curvature_matrix_estimate(
-            state, estimation_data, ema_old=ema_old, ema_new=ema_new, identity_weight=identity_weight, batch_size=batch_size
-        )
-
-
-class DocBlock(blocks.DenseTwoKroneckerFactored):
-    """Documented style: dict data and ``pmap_axis_name``; triples the inputs."""
-
-    def update_curvature_matrix_estimate(self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None):
-        LOG.append(("doc", type(estimation_data).__name__, pmap_axis_name))
-        data = dict(estimation_data)
-        data["inputs"] = tuple(3.0 * x for x in data["inputs"])
-        return super().update_curvature_matrix_estimate(state, data, ema_old, ema_new, batch_size, pmap_axis_name)
+SEED = 3  # the dense problem's
+LOG = CALLS  # the overrides' calls and the forwarders' below, in order
 
 
 def _expected(base, batch):
     """The factors the block ``base`` computes for this problem (built-in: the oracle)."""
-    a, g = _oracle(batch)
+    a, g = oracle_factors(batch)
     if issubclass(base, V008Block):
         return a, 4.0 * g
     if issubclass(base, DocBlock):
-        s = np.array([3.0] * D_IN + [1.0])
-        return a * np.outer(s, s), g
+        return a * np.outer(DOC_INPUT_SCALE, DOC_INPUT_SCALE), g
     return a, g
 
 
@@ -142,15 +91,12 @@ def test_forwarders_take_the_forward_generation():
 @pytest.mark.parametrize("base", list(BASES))
 @pytest.mark.parametrize("kind", KINDS)
 def test_forwarder_in_estimator_equals_base_block(kind, base, v008_call):
-    loss, params, batch = _problem()
+    loss, params, batch = dense_problem(SEED)
     fwd = _forwarders(BASES[base])[kind]
     est = curvax.BlockDiagonalCurvature(loss, layer_tag_to_block_ctor={"dense": fwd})
     state = est.init(KEY, (params, batch), None, None, False)
     LOG.clear()
-    if v008_call:  # v0.0.8 positional order, identity_weight 0.25
-        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, 0.25, B, KEY, (params, batch), "ggn_exact")
-    else:
-        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, B, KEY, (params, batch), estimation_mode="ggn_exact")
+    state = update_in_generation(est, state, params, batch, v008_call)  # v0.0.8: identity_weight 0.25
     assert isinstance(est.blocks[0], fwd)
     a, g = _expected(BASES[base], batch)
     (s,) = state.blocks_states
@@ -165,31 +111,15 @@ def test_forwarder_in_estimator_equals_base_block(kind, base, v008_call):
         fmt = "LayerVjpData" if base == "v008" else "dict"
         assert [e for e in LOG if e[0] == "state_first"] == [("state_first", fmt)]
     if base == "v008":  # the v0.0.8 override gets LayerVjpData and the caller's identity_weight
-        assert [e for e in LOG if e[0] == "v008"] == [("v008", "LayerVjpData", 0.25 if v008_call else 0.0)]
+        assert [(e[0], e[1], float(e[2])) for e in LOG if e[0] == "v008"] == [("v008", "LayerVjpData", 0.25 if v008_call else 0.0)]
     if base == "doc":
         assert [e[:2] for e in LOG if e[0] == "doc"] == [("doc", "dict")]
-
-
-def _layer_data():
-    loss, params, batch = _problem()
-    est = curvax.BlockDiagonalCurvature(loss)
-    est.finalize((params, batch))
-    eqn = est.processed_jaxpr.layer_tags[0]
-    x = batch[0]
-    dy = jax.random.normal(jax.random.PRNGKey(7), (B, D_OUT))
-    data = {"inputs": (x,), "outputs": (), "params": (params["w"], params["b"]), "outputs_tangent": (dy,), "params_tangent": ()}
-    vjp = LayerVjpData(
-        primals=LayerData(inputs=(x,), outputs=(), params=(params["w"], params["b"])),
-        tangents=LayerData(inputs=(), outputs=(dy,), params=()),
-    )
-    xa = jnp.concatenate([x, jnp.ones((B, 1))], axis=1)
-    return eqn, data, vjp, np.asarray(xa.T @ xa / B), np.asarray(dy.T @ dy / B)
 
 
 @pytest.mark.parametrize("base", ["builtin", "v008"])
 def test_direct_calls_in_either_generation_reach_super_unchanged(base):
     """A user calling a forwarder directly, in either generation, gets what the base gives."""
-    eqn, data, vjp, a, g = _layer_data()
+    eqn, data, vjp, a, g = layer_data(SEED)
     g_scale = 4.0 if base == "v008" else 1.0
     fwds = _forwarders(BASES[base])
     calls = {
@@ -210,7 +140,7 @@ def test_direct_calls_in_either_generation_reach_super_unchanged(base):
 
 
 def test_forwarder_with_unreadable_call_raises_from_super():
-    eqn, data, _, _, _ = _layer_data()
+    eqn, data, _, _, _ = layer_data(SEED)
     block = blocks.construct_block(_forwarders(blocks.DenseTwoKroneckerFactored)["pure"], eqn, "layer")
     s0 = block.init(KEY, None, None, False)
     with pytest.raises(TypeError, match="neither kfac-jax signature"):
@@ -231,7 +161,7 @@ def test_partially_named_star_args_override_still_raises():
 @pytest.mark.parametrize("kind", ["pure", "counting"])
 @pytest.mark.parametrize("v008_call", [False, True], ids=["documented_call", "v008_call"])
 def test_estimator_forwarder_equals_base_estimator(kind, v008_call):
-    loss, params, batch = _problem()
+    loss, params, batch = dense_problem(SEED)
     calls = []
 
     class Pure(curvax.BlockDiagonalCurvature):
@@ -247,11 +177,8 @@ def test_estimator_forwarder_equals_base_estimator(kind, v008_call):
     assert cls.update_curvature_matrix_estimate.__curvax_generation__ == "forward"
     est = cls(loss)
     state = est.init(KEY, (params, batch), None, None, False)
-    if v008_call:
-        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, 0.25, B, KEY, (params, batch), "ggn_exact")
-    else:
-        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, B, KEY, (params, batch), estimation_mode="ggn_exact")
-    a, g = _oracle(batch)
+    state = update_in_generation(est, state, params, batch, v008_call)
+    a, g = oracle_factors(batch)
     (s,) = state.blocks_states
     np.testing.assert_allclose(s.inputs_factor.value, a, rtol=1e-12)
     np.testing.assert_allclose(s.outputs_factor.value, g, rtol=1e-12, atol=1e-14)
@@ -261,7 +188,7 @@ def test_estimator_forwarder_equals_base_estimator(kind, v008_call):
 
 def test_optimizer_step_with_forwarding_block_equals_builtin():
     """One fixed-coefficient optimizer step: the forwarding block gives the built-in's parameters."""
-    loss, params, batch = _problem()
+    loss, params, batch = dense_problem(SEED)
     counting = _forwarders(blocks.DenseTwoKroneckerFactored)["counting"]
 
     def run(ctor):

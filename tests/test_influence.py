@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import curvax
+import models
 from curvax import operators as ops
 
 pytestmark = pytest.mark.usefixtures("x64")
@@ -37,14 +38,8 @@ def _example_loss(p: Any, example: Any) -> jax.Array:
 
 @functools.lru_cache(maxsize=None)
 def _problem() -> tuple:
-    k = jax.random.split(jax.random.PRNGKey(0), 6)
-    p = {"w1": jax.random.normal(k[0], (3, 4)) / 2, "b1": 0.1 * jax.random.normal(k[1], (4,)),
-         "w2": jax.random.normal(k[2], (4, 2)), "b2": 0.1 * jax.random.normal(k[3], (2,))}
-    batch = (jax.random.normal(k[4], (10, 3)), jax.random.randint(k[5], (10,), 0, 2))
-    est = curvax.BlockDiagonalCurvature(_loss)
-    state = est.init(jax.random.PRNGKey(1), (p, batch), None, None)
-    state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, 10, jax.random.PRNGKey(2), (p, batch),
-                                                 estimation_mode="fisher_exact")
+    p, batch = models.tanh_mlp_problem((3, 4, 2), 10, (0.5, 1.0))
+    est, state = models.fisher_exact_estimate(_loss, p, batch)
     return p, batch, {"kfac": ops.from_estimator(est, state), "ggn": ops.ggn(_loss, p, batch)}
 
 

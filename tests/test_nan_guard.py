@@ -44,10 +44,15 @@ def _optimizer(loss_fn, **kw):
 HYPER = dict(learning_rate=0.1, momentum=0.5, damping=1e-2)
 
 
-def test_a_nan_example_skips_the_step_and_the_statistics_update_and_training_continues(caplog):
+def _initialized():
+    """``(opt, params, state, batch)``: the plain MLP's optimizer (``_optimizer``), initialized on its batch."""
     loss_fn, params, batch = plain_jax(jax.random.PRNGKey(0))
     opt = _optimizer(loss_fn)
-    state = opt.init(params, jax.random.PRNGKey(1), batch)
+    return opt, params, opt.init(params, jax.random.PRNGKey(1), batch), batch
+
+
+def test_a_nan_example_skips_the_step_and_the_statistics_update_and_training_continues(caplog):
+    opt, params, state, batch = _initialized()
     caplog.set_level(logging.WARNING, logger="curvax")
 
     params, state, stats = opt.step(params, state, jax.random.PRNGKey(2), batch=batch, **HYPER)
@@ -116,9 +121,7 @@ def test_a_nan_loss_with_a_finite_gradient_is_skipped_like_a_nan_batch():
 
 
 def test_a_blown_up_loss_is_reported_in_the_stats_and_the_log(caplog):
-    loss_fn, params, batch = plain_jax(jax.random.PRNGKey(0))
-    opt = _optimizer(loss_fn)
-    state = opt.init(params, jax.random.PRNGKey(1), batch)
+    opt, params, state, batch = _initialized()
     caplog.set_level(logging.WARNING, logger="curvax")
     params, state, stats = opt.step(params, state, jax.random.PRNGKey(2), batch=batch, **HYPER)
     assert not bool(stats["loss_diverged"])
@@ -136,9 +139,7 @@ def test_a_blown_up_loss_is_reported_in_the_stats_and_the_log(caplog):
 
 def test_step_inside_the_users_own_jit_gives_the_same_step():
     # The host-side report must not read traced stats (kfac-jax users wrap ``step`` in jit too).
-    loss_fn, params, batch = plain_jax(jax.random.PRNGKey(0))
-    opt = _optimizer(loss_fn)
-    state = opt.init(params, jax.random.PRNGKey(1), batch)
+    opt, params, state, batch = _initialized()
     jitted = jax.jit(lambda p, s, r, b: opt.step(p, s, r, batch=b, **HYPER))
     p1, _, stats1 = jitted(params, state, jax.random.PRNGKey(2), _poisoned(batch))
     p2, _, stats2 = opt.step(params, state, jax.random.PRNGKey(2), batch=_poisoned(batch), **HYPER)

@@ -5,7 +5,6 @@ moments) on small float64 models; where EKFAC is exact, it is the Fisher."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -15,31 +14,12 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import curvax
+from models import tanh_mlp_apply, tanh_mlp_loss, tanh_mlp_problem
 from curvax import operators as ops
 
 pytestmark = pytest.mark.usefixtures("x64")
 
 EKFAC = {"dense": curvax.DenseEigenvalueCorrected}
-
-
-def _apply(p: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    pre1 = x @ p["w1"] + p["b1"]
-    return pre1, jnp.tanh(pre1) @ p["w2"] + p["b2"]
-
-
-def _loss(p: Any, batch: Any) -> jax.Array:
-    logits = _apply(p, batch[0])[1]
-    curvax.register_softmax_cross_entropy_loss(logits, batch[1])
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[1][:, None], axis=1))
-
-
-@functools.lru_cache(maxsize=None)
-def _problem() -> tuple:
-    k = jax.random.split(jax.random.PRNGKey(0), 6)
-    p = {"w1": jax.random.normal(k[0], (4, 5)) / 2, "b1": 0.1 * jax.random.normal(k[1], (5,)),
-         "w2": jax.random.normal(k[2], (5, 3)) / 2, "b2": 0.1 * jax.random.normal(k[3], (3,))}
-    x, y = jax.random.normal(k[4], (24, 4)), jax.random.randint(k[5], (24,), 0, 3)
-    return p, (x, y)
 
 
 def _sym_sqrt(f: np.ndarray) -> np.ndarray:
@@ -52,7 +32,7 @@ def _dense_ekfac(p: Any, x: jax.Array, y: jax.Array, kind: str) -> tuple[np.ndar
     ``s = mean_n sum_c (Q_A^T V_nc Q_G)^2`` with ``V_nc = [x_n; 1] (J_n^T c)^T`` the example's
     gradient for each column ``c`` of ``sqrt(F_L)`` (type-2) or for the observed target (empirical)."""
     n = x.shape[0]
-    pre1, logits = _apply(p, x)
+    pre1, logits = tanh_mlp_apply(p, x)
     probs = np.asarray(jax.nn.softmax(logits))
     if kind == "type-2":
         cots = [_sym_sqrt(np.diag(q) - np.outer(q, q)).T for q in probs]  # rows: the columns c
@@ -81,20 +61,20 @@ def _dense_ekfac(p: Any, x: jax.Array, y: jax.Array, kind: str) -> tuple[np.ndar
 
 @pytest.mark.parametrize("kind", ["type-2", "empirical"])
 def test_kfac_with_ekfac_blocks_equals_the_dense_construction(kind):
-    p, (x, y) = _problem()
+    p, (x, y) = tanh_mlp_problem()
     want, bases = _dense_ekfac(p, x, y, kind)
     # two batches: the factors and the corrections are means over all 24 examples
-    K = ops.kfac(_loss, p, [(x[:10], y[:10]), (x[10:], y[10:])], fisher_type=kind, layer_tag_to_block_ctor=EKFAC)
+    K = ops.kfac(tanh_mlp_loss, p, [(x[:10], y[:10]), (x[10:], y[10:])], fisher_type=kind, layer_tag_to_block_ctor=EKFAC)
     assert all(isinstance(b, curvax.DenseEigenvalueCorrected) for b in K.estimator.blocks)
     got = np.asarray(K.to_dense())
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
     # not the diagonal Fisher that an identity basis gives (issue 24), nor K-FAC
-    diag_fisher = np.diag(np.diag(np.asarray(ops.fisher(_loss, p, (x, y), kind=kind).to_dense())))
+    diag_fisher = np.diag(np.diag(np.asarray(ops.fisher(tanh_mlp_loss, p, (x, y), kind=kind).to_dense())))
     assert np.abs(got - diag_fisher).max() > 1e-2
-    kfac = np.asarray(ops.kfac(_loss, p, (x, y), fisher_type=kind, separate_weight_and_bias=False).to_dense())
+    kfac = np.asarray(ops.kfac(tanh_mlp_loss, p, (x, y), fisher_type=kind, separate_weight_and_bias=False).to_dense())
     assert np.abs(got - kfac).max() > 1e-3
     # per layer: the basis diagonalises A (x) G, and s is the exact Fisher's diagonal in it
-    fisher = np.asarray(ops.fisher(_loss, p, (x, y), kind=kind).to_dense())
+    fisher = np.asarray(ops.fisher(tanh_mlp_loss, p, (x, y), kind=kind).to_dense())
     for idx, q, s, ag in bases:
         t = q.T @ ag @ q
         np.testing.assert_allclose(t - np.diag(np.diag(t)), 0, atol=1e-12)

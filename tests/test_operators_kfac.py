@@ -5,7 +5,6 @@ computed by hand on small float64 models."""
 from __future__ import annotations
 
 import enum
-import functools
 from typing import Any
 
 import jax
@@ -16,36 +15,17 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 import curvax
+from models import tanh_mlp_apply, tanh_mlp_loss, tanh_mlp_problem
 from curvax import operators as ops
 
 pytestmark = pytest.mark.usefixtures("x64")
-
-
-def _apply(p: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    pre1 = x @ p["w1"] + p["b1"]
-    return pre1, jnp.tanh(pre1) @ p["w2"] + p["b2"]
-
-
-def _loss(p: Any, batch: Any) -> jax.Array:
-    logits = _apply(p, batch[0])[1]
-    curvax.register_softmax_cross_entropy_loss(logits, batch[1])
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[1][:, None], axis=1))
-
-
-@functools.lru_cache(maxsize=None)
-def _problem() -> tuple:
-    k = jax.random.split(jax.random.PRNGKey(0), 6)
-    p = {"w1": jax.random.normal(k[0], (4, 5)) / 2, "b1": 0.1 * jax.random.normal(k[1], (5,)),
-         "w2": jax.random.normal(k[2], (5, 3)) / 2, "b2": 0.1 * jax.random.normal(k[3], (3,))}
-    x, y = jax.random.normal(k[4], (24, 4)), jax.random.randint(k[5], (24,), 0, 3)
-    return p, (x, y)
 
 
 def _hand_kfac(p: Any, x: jax.Array, separate: bool, y: Any = None, kind: str = "type-2") -> np.ndarray:
     """The K-FAC matrix in parameter order, from per-example Jacobians and the softmax's Fisher
     (type-2), gradient outer products at the targets ``y`` (empirical) or identities (forward-only)."""
     n = x.shape[0]
-    pre1, logits = _apply(p, x)
+    pre1, logits = tanh_mlp_apply(p, x)
     probs = np.asarray(jax.nn.softmax(logits))
     if kind == "type-2":
         fishers = [np.diag(q) - np.outer(q, q) for q in probs]
@@ -81,10 +61,10 @@ def _hand_kfac(p: Any, x: jax.Array, separate: bool, y: Any = None, kind: str = 
 
 @pytest.mark.parametrize("separate", [True, False])
 def test_kfac_blocks_equal_the_kronecker_products_by_hand(separate):
-    p, (x, y) = _problem()
+    p, (x, y) = tanh_mlp_problem()
     want = _hand_kfac(p, x, separate)
     # two batches of sizes 10 and 14: the factors are the means over all 24 examples
-    K = ops.kfac(_loss, p, [(x[:10], y[:10]), (x[10:], y[10:])], fisher_type=ops.FisherType.TYPE2,
+    K = ops.kfac(tanh_mlp_loss, p, [(x[:10], y[:10]), (x[10:], y[10:])], fisher_type=ops.FisherType.TYPE2,
                  separate_weight_and_bias=separate)
     np.testing.assert_allclose(np.asarray(K.to_dense()), want, rtol=1e-10, atol=1e-12)
     # the closed forms on the separate blocks: trace, logdet, Frobenius norm, exact damped inverse
@@ -101,7 +81,7 @@ def test_kfac_blocks_equal_the_kronecker_products_by_hand(separate):
     blocks = K.estimator.blocks
     assert all(type(b).__name__.endswith("SeparateWeightAndBias") == separate for b in blocks)
     # num_data: the operator of (sum of batch sizes / num_data) times the mean
-    K2 = ops.kfac(_loss, p, (x, y), fisher_type="type-2", separate_weight_and_bias=separate, num_data=48)
+    K2 = ops.kfac(tanh_mlp_loss, p, (x, y), fisher_type="type-2", separate_weight_and_bias=separate, num_data=48)
     np.testing.assert_allclose(np.asarray(K2.to_dense()), want / 2, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(jax.jit(lambda K: K.logdet(d))(K2), np.sum(np.log(ev / 2 + d)), rtol=1e-10)
 
@@ -142,25 +122,25 @@ class _CurvlinopsFisherType(str, enum.Enum):  # how curvlinops defines FisherTyp
 
 
 def test_fisher_type_names_and_mc_samples():
-    p, batch = _problem()
+    p, batch = tanh_mlp_problem()
     assert ops.FISHER_TO_ESTIMATION_MODE == {"type-2": "fisher_exact", "mc": "fisher_gradients",
                                              "empirical": "fisher_empirical", "forward-only": "forward_only"}
     for member in (_CurvlinopsFisherType.TYPE2, _CurvlinopsFisherType.EMPIRICAL, _CurvlinopsFisherType.FORWARD_ONLY):
-        K = ops.kfac(_loss, p, batch, fisher_type=member)
+        K = ops.kfac(tanh_mlp_loss, p, batch, fisher_type=member)
         want = _hand_kfac(p, batch[0], True, batch[1], member.value)
         np.testing.assert_allclose(np.asarray(K.to_dense()), want, rtol=1e-10, atol=1e-12)
     # the exact operators take the same names
-    np.testing.assert_allclose(np.asarray(ops.fisher(_loss, p, batch, kind=_CurvlinopsFisherType.EMPIRICAL).to_dense()),
-                               np.asarray(ops.fisher(_loss, p, batch, kind="empirical").to_dense()), rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(ops.fisher(tanh_mlp_loss, p, batch, kind=_CurvlinopsFisherType.EMPIRICAL).to_dense()),
+                               np.asarray(ops.fisher(tanh_mlp_loss, p, batch, kind="empirical").to_dense()), rtol=1e-12)
     # mc_samples: the MC K-FAC converges to the type-2 one (A is exact; each G is a mean of
     # mc_samples sampled outer products), its error falling as 1/sqrt(mc_samples)
-    want = ops.kfac(_loss, p, batch, fisher_type="type-2").state.blocks_states
+    want = ops.kfac(tanh_mlp_loss, p, batch, fisher_type="type-2").state.blocks_states
     samples = np.array([1, 8, 64])
     errs = []
     for k in samples:
         err = 0.0
         for seed in range(2):
-            got = ops.kfac(_loss, p, batch, mc_samples=int(k), rng=jax.random.PRNGKey(seed)).state.blocks_states
+            got = ops.kfac(tanh_mlp_loss, p, batch, mc_samples=int(k), rng=jax.random.PRNGKey(seed)).state.blocks_states
             for g, w in zip(got, want):
                 np.testing.assert_allclose(g.inputs_factor.value, w.inputs_factor.value, rtol=1e-12, atol=1e-15)
                 err += float(np.sum((np.asarray(g.outputs_factor.value) - np.asarray(w.outputs_factor.value)) ** 2))
@@ -170,21 +150,21 @@ def test_fisher_type_names_and_mc_samples():
 
 
 def test_kfac_bad_input_names_the_argument():
-    p, batch = _problem()
+    p, batch = tanh_mlp_problem()
     with pytest.raises(ValueError, match="`mc_samples` must be 1 when `fisher_type` is 'type-2'"):
-        ops.kfac(_loss, p, batch, fisher_type="type-2", mc_samples=2)
+        ops.kfac(tanh_mlp_loss, p, batch, fisher_type="type-2", mc_samples=2)
     with pytest.raises(ValueError, match="`mc_samples` must be an integer >= 1"):
-        ops.kfac(_loss, p, batch, mc_samples=0)
+        ops.kfac(tanh_mlp_loss, p, batch, mc_samples=0)
     with pytest.raises(ValueError, match="`mc_samples` must be 1 when `kind`"):
-        ops.fisher(_loss, p, batch, kind="empirical", mc_samples=3)
+        ops.fisher(tanh_mlp_loss, p, batch, kind="empirical", mc_samples=3)
     with pytest.raises(ValueError, match="`fisher_type` must be one of"):
-        ops.kfac(_loss, p, batch, fisher_type="ggn")
+        ops.kfac(tanh_mlp_loss, p, batch, fisher_type="ggn")
     with pytest.raises(ValueError, match="`kfac_approx` must be one of"):
-        ops.kfac(_loss, p, batch, kfac_approx="full")
+        ops.kfac(tanh_mlp_loss, p, batch, kfac_approx="full")
     with pytest.raises(TypeError, match="`separate_weight_and_bias` must be a bool"):
-        ops.kfac(_loss, p, batch, separate_weight_and_bias="yes")
+        ops.kfac(tanh_mlp_loss, p, batch, separate_weight_and_bias="yes")
     with pytest.raises(ValueError, match="`num_data` must be an integer >= 1"):
-        ops.kfac(_loss, p, batch, num_data=0)
+        ops.kfac(tanh_mlp_loss, p, batch, num_data=0)
     with pytest.raises(TypeError, match="`base`"):
         ops.separate_bias_class(curvax.DenseEigenvalueCorrected)
     # a grouped convolution with kfac_approx='reduce': tests/test_conv_reduce.py

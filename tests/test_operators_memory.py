@@ -5,7 +5,10 @@ A bound on bytes (deterministic for a given XLA), not a timing."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -16,27 +19,23 @@ import curvax
 from curvax import operators as ops
 
 
-def _loss(p: Any, batch: Any) -> jax.Array:
-    x, y = batch
-    for layer in p["layers"]:
-        q, k, v = (x @ layer[n]["w"] + layer[n]["b"] for n in ("q", "k", "v"))
-        att = jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1]), axis=-1) @ v
-        x = x + (att @ layer["o"]["w"] + layer["o"]["b"])
-        x = x + (jax.nn.gelu(x @ layer["up"]["w"] + layer["up"]["b"]) @ layer["down"]["w"] + layer["down"]["b"])
-    logits = x @ p["head"]["w"] + p["head"]["b"]
-    curvax.register_softmax_cross_entropy_loss(logits, y)
-    return jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, logits.shape[-1]), axis=-1))
+def _load_benchmark() -> ModuleType:
+    """``benchmarks/operator_memory.py``, whose transformer this test measures at a small size."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "operator_memory.py"
+    spec = importlib.util.spec_from_file_location("curvax_benchmarks_operator_memory", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+operator_memory = _load_benchmark()
 
 
 def test_trace_and_logdet_of_an_abstract_transformer_fit_in_the_factors_memory():
     d, ff, layers, vocab = 256, 1024, 3, 512  # ~2.6M parameters, 19 Kronecker blocks
-    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    dense = lambda i, o: {"w": s(i, o), "b": s(o)}  # noqa: E731
-    params = {"layers": [{"q": dense(d, d), "k": dense(d, d), "v": dense(d, d), "o": dense(d, d),
-                          "up": dense(d, ff), "down": dense(ff, d)} for _ in range(layers)], "head": dense(d, vocab)}
-    batch = (s(2, 8, d), jax.ShapeDtypeStruct((2, 8), jnp.int32))
-    est = curvax.BlockDiagonalCurvature(_loss)
-    state = jax.eval_shape(lambda p, b: est.init(jax.random.PRNGKey(0), (p, b), None, None), params, batch)
+    # The benchmark's model and abstract state: float32, 2 sequences of 8 tokens.
+    est, state, params = operator_memory.abstract_kfac(d, ff, layers, vocab, batch=2, seq=8)
     assert [type(b).__name__ for b in est.blocks] == ["DenseTwoKroneckerFactored"] * (6 * layers + 1)
     n = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
     factor_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state))

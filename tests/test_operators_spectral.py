@@ -11,29 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import curvax
+import models
 from curvax import operators as ops
 
 pytestmark = pytest.mark.usefixtures("x64")
 
 
-def _loss(p: Any, batch: Any) -> jax.Array:
-    h = jnp.tanh(batch[0] @ p["w1"] + p["b1"])
-    logits = h @ p["w2"] + p["b2"]
-    curvax.register_softmax_cross_entropy_loss(logits, batch[1])
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[1][:, None], axis=1))
-
-
 @functools.lru_cache(maxsize=None)
 def _kfac() -> tuple:
-    k = jax.random.split(jax.random.PRNGKey(0), 6)
-    p = {"w1": jax.random.normal(k[0], (4, 5)), "b1": 0.1 * jax.random.normal(k[1], (5,)),
-         "w2": jax.random.normal(k[2], (5, 3)), "b2": 0.1 * jax.random.normal(k[3], (3,))}
-    batch = (jax.random.normal(k[4], (32, 4)), jax.random.randint(k[5], (32,), 0, 3))
-    est = curvax.BlockDiagonalCurvature(_loss)
-    state = est.init(jax.random.PRNGKey(1), (p, batch), None, None)
-    state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, 32, jax.random.PRNGKey(2), (p, batch),
-                                                 estimation_mode="fisher_exact")
+    p, batch = models.tanh_mlp_problem((4, 5, 3), 32, (1.0, 1.0))
+    est, state = models.fisher_exact_estimate(models.tanh_mlp_loss, p, batch)
     K = ops.from_estimator(est, state)
     return K, np.asarray(est.to_dense_matrix(state))
 

@@ -1,12 +1,10 @@
 """The extension API: user ``GraphPattern``s and ``DEFAULT_GRAPH_PATTERNS``.
 
-The first test is kfac-jax's "Extending KFAC-JAX" guide (new dense tag, its
-graph pattern, its Kronecker block) with ``kfac_jax`` replaced by ``curvax``.
+The first test runs kfac-jax's "Extending KFAC-JAX" guide (new dense tag, its graph pattern, its
+Kronecker block; ``tests/extension_guide.py``) with ``kfac_jax`` replaced by ``curvax``.
 """
 
 from __future__ import annotations
-
-from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,89 +12,15 @@ import numpy as np
 import pytest
 
 import curvax
-from curvax import detection, patterns, tags, transforms, utils
+from curvax import detection, patterns, tags, transforms
+from extension_guide import (
+    DenseTwoKroneckerFactored, dense, dense_function, dense_with_bias_pattern, my_dense_no_bias_pattern,
+)
 
 pytestmark = pytest.mark.usefixtures("x64")
 
 KEY = jax.random.PRNGKey(0)
 RNG = np.random.default_rng(0)  # numpy data: no per-shape compilation of random ops
-
-# --- the guide's example, verbatim up to names -------------------------------------------
-
-dense = curvax.LayerTag(name="dense_tag", num_inputs=1, num_outputs=1)
-
-
-def register_dense(y, x, w, b=None, **kwargs):
-    """Registers a dense layer: ``y = matmul(x, w) + b``."""
-    if b is None:
-        return dense.bind(y, x, w, **kwargs)
-    return dense.bind(y, x, w, b, **kwargs)
-
-
-def _dense(x, params):
-    """Example of a dense layer function."""
-    w, *opt_b = params
-    y = jnp.matmul(x, w)
-    return y if not opt_b else y + opt_b[0]
-
-
-def _dense_parameter_extractor(eqns) -> Mapping[str, Any]:
-    for eqn in eqns:
-        if eqn.primitive.name == "dot_general":
-            return dict(**eqn.params)
-    assert False
-
-
-dense_with_bias_pattern = patterns.GraphPattern(
-    name="dense_with_bias",
-    tag_primitive=dense,
-    precedence=0,
-    compute_func=_dense,
-    parameters_extractor_func=_dense_parameter_extractor,
-    example_args=[np.zeros([11, 13]), [np.zeros([13, 7]), np.zeros([7])]],
-)
-my_dense_no_bias_pattern = patterns.GraphPattern(
-    name="my_dense_no_bias",
-    tag_primitive=dense,
-    compute_func=_dense,
-    parameters_extractor_func=_dense_parameter_extractor,
-    example_args=[np.zeros([11, 13]), [np.zeros([13, 7])]],
-)
-
-
-class DenseTwoKroneckerFactored(curvax.TwoKroneckerFactored):
-    """A :class:`~TwoKroneckerFactored` block specifically for dense layers."""
-
-    def input_size(self) -> int:
-        if self.has_bias:
-            return self.parameters_shapes[0][0] + 1
-        return self.parameters_shapes[0][0]
-
-    def output_size(self) -> int:
-        return self.parameters_shapes[0][1]
-
-    def update_curvature_matrix_estimate(
-        self,
-        state: curvax.TwoKroneckerFactored.State,
-        estimation_data: Mapping[str, Sequence[jax.Array]],
-        ema_old: Any,
-        ema_new: Any,
-        batch_size: int,
-        pmap_axis_name: Optional[str],
-    ) -> curvax.TwoKroneckerFactored.State:
-        del pmap_axis_name
-        (x,) = estimation_data["inputs"]
-        (dy,) = estimation_data["outputs_tangent"]
-        assert utils.first_dim_is_size(batch_size, x, dy)
-        if self.has_bias:
-            x_one = jnp.ones_like(x[:, :1])
-            x = jnp.concatenate([x, x_one], axis=1)
-        input_stats = jnp.matmul(x.T, x) / batch_size
-        output_stats = jnp.matmul(dy.T, dy) / batch_size
-        state.inputs_factor.update(input_stats, ema_old, ema_new)
-        state.outputs_factor.update(output_stats, ema_old, ema_new)
-        return state
-
 
 def test_guide_example_optimizer_takes_the_newton_step():
     """One dense layer + squared error: K-FAC with exact inverses is Newton's method (lstsq)."""
@@ -186,7 +110,7 @@ def test_guide_pattern_claims_exactly_the_dense_layers():
 
 def test_pattern_traced_on_2d_examples_matches_3d_inputs_and_fills_dense_meta():
     """Example shapes are free: extra leading axes still match; the built-in dense tag gets its meta."""
-    pat = patterns.GraphPattern("seq_dense", tags.dense, _dense, lambda eqns: {}, [np.zeros([2, 3]), [np.zeros([3, 4]), np.zeros([4])]])
+    pat = patterns.GraphPattern("seq_dense", tags.dense, dense_function, lambda eqns: {}, [np.zeros([2, 3]), [np.zeros([3, 4]), np.zeros([4])]])
     p, batch = _mlp_args(x_shape=(2, 7, 3))
     pj, got = _sites(_mlp_loss, (p, batch), graph_patterns=(pat,))
     assert got[:2] == [("dense", "seq_dense", (0, 1)), ("dense", "seq_dense", (3, 2))]
@@ -376,18 +300,18 @@ def test_bad_patterns_get_clear_errors():
         _sites(_mlp_loss, (p, batch), graph_patterns=dense_with_bias_pattern)
     args = [np.zeros([2, 3]), [np.zeros([3, 4])]]
     with pytest.raises(TypeError, match="tag_primitive"):
-        patterns.GraphPattern("p", "dense", _dense, dict, args)
+        patterns.GraphPattern("p", "dense", dense_function, dict, args)
     with pytest.raises(TypeError, match="compute_func"):
         patterns.GraphPattern("p", dense, None, dict, args)
     with pytest.raises(ValueError, match="example_args"):
-        patterns.GraphPattern("p", dense, _dense, dict, [np.zeros([2, 3])])
+        patterns.GraphPattern("p", dense, dense_function, dict, [np.zeros([2, 3])])
     with pytest.raises(ValueError, match="1 inputs"):
-        patterns.GraphPattern("p", dense, _dense, dict, [[np.zeros([2, 3]), np.zeros(3)], [np.zeros([3, 4])]])
+        patterns.GraphPattern("p", dense, dense_function, dict, [[np.zeros([2, 3]), np.zeros(3)], [np.zeros([3, 4])]])
     with pytest.raises(NotImplementedError, match="in_values_preprocessor"):
-        patterns.GraphPattern("p", dense, _dense, dict, args, in_values_preprocessor=lambda v: v)
+        patterns.GraphPattern("p", dense, dense_function, dict, args, in_values_preprocessor=lambda v: v)
     unused = patterns.GraphPattern("p", dense, lambda x, q: x @ q[0], dict, [np.zeros([2, 3]), [np.zeros([3, 4]), np.zeros(4)]])
     with pytest.raises(ValueError, match="does not depend on parameter leaves \\[1\\]"):
         _sites(_mlp_loss, (p, batch), graph_patterns=(unused,))
-    bad_meta = patterns.GraphPattern("p", dense, _dense, lambda eqns: None, args)
+    bad_meta = patterns.GraphPattern("p", dense, dense_function, lambda eqns: None, args)
     with pytest.raises(TypeError, match="parameters_extractor_func"):
         _sites(_mlp_loss, (p, batch), graph_patterns=(bad_meta,))

@@ -20,6 +20,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import curvax
+import models
 from curvax.tags import LossTag
 
 pytestmark = pytest.mark.usefixtures("x64")
@@ -41,48 +42,6 @@ def _plain_jax() -> tuple[Callable, Any]:
     params = {"w0": jax.random.normal(k1, (IN, HID)) / 2, "b0": jax.random.normal(k3, (HID,)) / 4,
               "w1": jax.random.normal(k2, (HID, OUT)) / 2, "b1": jnp.zeros(OUT)}
     return (lambda p, x: jnp.tanh(x @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"]), params
-
-
-def _haiku() -> tuple[Callable, Any]:
-    import haiku as hk
-
-    model = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([HID, OUT], activation=jnp.tanh)(x)))
-    return model.apply, model.init(KEY, jnp.zeros((1, IN)))
-
-
-def _flax_linen() -> tuple[Callable, Any]:
-    import flax.linen as nn
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(OUT)(jnp.tanh(nn.Dense(HID)(x)))
-
-    model = MLP()
-    return model.apply, model.init(KEY, jnp.zeros((1, IN)))
-
-
-def _flax_nnx() -> tuple[Callable, Any]:
-    from flax import nnx
-
-    class MLP(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.l0 = nnx.Linear(IN, HID, rngs=rngs)
-            self.l1 = nnx.Linear(HID, OUT, rngs=rngs)
-
-        def __call__(self, x):
-            return self.l1(jnp.tanh(self.l0(x)))
-
-    graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
-    return (lambda p, x: nnx.merge(graphdef, p)(x)), state
-
-
-def _equinox() -> tuple[Callable, Any]:
-    import equinox as eqx
-
-    model = eqx.nn.MLP(IN, OUT, HID, 1, activation=jnp.tanh, key=KEY)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    return (lambda p, x: jax.vmap(eqx.combine(p, static))(x)), params
 
 
 def _haiku_conv() -> tuple[Callable, Any]:
@@ -109,7 +68,8 @@ def _flax_linen_conv() -> tuple[Callable, Any]:
     return model.apply, model.init(KEY, jnp.zeros((1, HW, HW, 1)))
 
 
-MLPS = {"plain_jax": _plain_jax, "haiku": _haiku, "flax_linen": _flax_linen, "flax_nnx": _flax_nnx, "equinox": _equinox}
+MLPS = {"plain_jax": _plain_jax,
+        **{f: functools.partial(models.framework_tanh_mlp, f, KEY, IN, HID, OUT) for f in models.TANH_MLP_FRAMEWORKS}}
 CONVS = {"haiku_conv": _haiku_conv, "flax_linen_conv": _flax_linen_conv}
 
 

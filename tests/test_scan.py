@@ -18,6 +18,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import curvax
+import models
 
 pytestmark = pytest.mark.usefixtures("x64")
 KEY = jax.random.PRNGKey(0)
@@ -85,16 +86,6 @@ def estimate(loss, params, data, mode="ggn_exact", **kwargs):
     return est, state
 
 
-def param_positions(params, path_filter):
-    """Flat positions (``ravel_pytree`` order) of the leaves whose key path passes ``path_filter``."""
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    pos, start = {}, 0
-    for path, leaf in leaves:
-        pos[jax.tree_util.keystr(path)] = np.arange(start, start + leaf.size)
-        start += leaf.size
-    return pos
-
-
 # --- detection ------------------------------------------------------------------------
 
 
@@ -138,13 +129,7 @@ def _check_scan_equals_loop(mode, reverse, **kwargs):
     dense_s = est_s.to_dense_matrix(st_s)
     dense_l = est_l.to_dense_matrix(st_l)
     # Map the listed model's flat order onto the stacked model's flat order.
-    pos_s = param_positions(p, None)
-    pos_l = param_positions(unstack(p), None)
-    perm = np.zeros(dense_s.shape[0], dtype=int)
-    for l in range(L):
-        for name, size in (("w", D * D), ("b", D)):
-            perm[pos_s[f"['{name}']"][l * size : (l + 1) * size]] = pos_l[f"['layers'][{l}]['{name}']"]
-    perm[pos_s["['out']"]] = pos_l["['out']"]
+    perm = models.loop_order(p, unstack(p))
     np.testing.assert_allclose(dense_s, dense_l[np.ix_(perm, perm)], rtol=1e-10, atol=1e-12)
     assert np.abs(dense_s).max() > 1e-3
 
@@ -159,7 +144,7 @@ def test_stacked_blocks_equal_exact_ggn_for_one_example():
     f = lambda v: stacked_model(unravel(v), x)[0]
     jac = jax.jacobian(f)(flat)
     ggn = np.asarray(2.0 * jac.T @ jac)  # the registered squared error is |y - t|^2 (Gaussian, variance 1/2)
-    pos = param_positions(p, None)
+    pos = models.flat_positions(p)
     for l in range(L):
         idx = np.concatenate([pos["['w']"][l * D * D : (l + 1) * D * D], pos["['b']"][l * D : (l + 1) * D]])
         np.testing.assert_allclose(dense[np.ix_(idx, idx)], ggn[np.ix_(idx, idx)], rtol=1e-9, atol=1e-12)
@@ -320,73 +305,20 @@ def test_checkpointed_body_inside_a_scan():
 V, TT, DM, H = 7, 4, 6, 8  # vocabulary, tokens, width, MLP hidden
 
 
-def _layer_norm(x, scale, shift):
-    mean = x.mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-6) * scale + shift
-
-
-def _block(h, q):
-    lin = lambda x, n: x @ q[n + "_w"] + q[n + "_b"]
-    a = _layer_norm(h, q["ln_s"], q["ln_b"])
-    scores = jnp.einsum("btd,bsd->bts", lin(a, "q"), lin(a, "k")) / np.sqrt(DM)
-    mask = jnp.tril(jnp.ones((TT, TT), bool))
-    h = h + lin(jax.nn.softmax(jnp.where(mask, scores, -1e9), -1) @ lin(a, "v"), "o")
-    return h + lin(jax.nn.gelu(lin(h, "m1")), "m2")
-
-
-def transformer_params(key=KEY):
-    shapes = {"ln_s": (DM,), "ln_b": (DM,)}
-    for n, (i, o) in {"q": (DM, DM), "k": (DM, DM), "v": (DM, DM), "o": (DM, DM), "m1": (DM, H), "m2": (H, DM)}.items():
-        shapes[n + "_w"], shapes[n + "_b"] = (i, o), (o,)
-    keys = jax.random.split(key, len(shapes) + 2)
-    stack = {n: jax.random.normal(k, (L,) + s) / np.sqrt(s[0]) for k, (n, s) in zip(keys, shapes.items())}
-    return {"stack": stack, "emb": jax.random.normal(keys[-2], (V, DM)), "out": jax.random.normal(keys[-1], (DM, V)) / 3}
-
-
-def xent_loss(model):
-    def loss(p, data):
-        ids, labels = data
-        logits = model(p, ids)
-        curvax.register_softmax_cross_entropy_loss(logits, labels)
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.sum(jnp.take_along_axis(logp, labels[..., None], -1)) / ids.shape[0]
-
-    return loss
-
-
-def transformer_scan(p, ids):
-    h, _ = jax.lax.scan(lambda h, q: (_block(h, q), None), p["emb"][ids], p["stack"])
-    return h @ p["out"]
-
-
-def transformer_loop(p, ids):
-    h = p["emb"][ids]
-    for q in p["layers"]:
-        h = _block(h, q)
-    return h @ p["out"]
-
-
 @pytest.mark.slow  # ~50 s on 2 cores; the stacked MLP and conv tests cover the same machinery by default
 def test_stacked_transformer_registers_every_layer_and_matches_the_loop():
-    p = transformer_params()
+    p = models.transformer_params(KEY, L, DM, H, V)
     ids = jax.random.randint(jax.random.PRNGKey(4), (3, TT + 1), 0, V)
     data = (ids[:, :-1], ids[:, 1:])
-    est_s, st_s = estimate(xent_loss(transformer_scan), p, data, "fisher_gradients")
+    est_s, st_s = estimate(models.xent_loss(models.transformer_scan), p, data, "fisher_gradients")
     sites = est_s.processed_jaxpr.layer_sites
     scanned = sorted((s.tag.name, s.pattern) for s in sites if s.scan is not None)
     assert scanned == sorted([("dense", "dense_with_bias")] * 6 + [("scale_and_shift", "scale_and_shift_both")])
     assert all(s.scan.mode == "stacked" for s in sites if s.scan is not None)
     assert not any(s.pattern == "generic" for s in sites)
-    listed = {"layers": [{n: a[l] for n, a in p["stack"].items()} for l in range(L)], "emb": p["emb"], "out": p["out"]}
-    est_l, st_l = estimate(xent_loss(transformer_loop), listed, data, "fisher_gradients")
-    pos_s, pos_l = param_positions(p, None), param_positions(listed, None)
-    perm = np.zeros(sum(x.size for x in jax.tree_util.tree_leaves(p)), dtype=int)
-    for n, a in p["stack"].items():
-        size = a[0].size
-        for l in range(L):
-            perm[pos_s[f"['stack']['{n}']"][l * size : (l + 1) * size]] = pos_l[f"['layers'][{l}]['{n}']"]
-    for n in ("emb", "out"):
-        perm[pos_s[f"['{n}']"]] = pos_l[f"['{n}']"]
+    listed = models.unstack_transformer(p)
+    est_l, st_l = estimate(models.xent_loss(models.transformer_loop), listed, data, "fisher_gradients")
+    perm = models.loop_order(p, listed, "stack")
     dense_s, dense_l = est_s.to_dense_matrix(st_s), est_l.to_dense_matrix(st_l)
     np.testing.assert_allclose(dense_s, dense_l[np.ix_(perm, perm)], rtol=1e-9, atol=1e-12)
 

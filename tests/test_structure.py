@@ -6,6 +6,7 @@ small synthetic packages too, so that a circle or an upward import is shown to b
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import pathlib
 import sys
@@ -64,6 +65,21 @@ def test_the_graph_sees_the_known_edges(graph):
     assert structure.layer_of("curvax.layers.conv") == structure.layer_of("curvax.blocks")
 
 
+# The size limits of the house standards: no class over 600 lines, no function over 100.
+MAX_CLASS_LINES = 600
+MAX_FUNCTION_LINES = 100
+
+
+def test_no_class_over_the_size_limit():
+    too_long = [(n, name) for n, name in structure.longest(ast.ClassDef, 10) if n > MAX_CLASS_LINES]
+    assert too_long == [], f"classes over {MAX_CLASS_LINES} lines (split them): {too_long}"
+
+
+def test_no_function_over_the_size_limit():
+    too_long = [(n, name) for n, name in structure.longest((ast.FunctionDef, ast.AsyncFunctionDef), 10) if n > MAX_FUNCTION_LINES]
+    assert too_long == [], f"functions over {MAX_FUNCTION_LINES} lines (split them): {too_long}"
+
+
 # --- the checker on synthetic packages ----------------------------------------------------
 
 
@@ -119,3 +135,13 @@ def test_upward_and_compatibility_imports_are_found(tmp_path):
     assert structure.unplaced(graph, layers) == ["pkg.misc"]  # the root entry does not cover submodules
     assert structure.compat_imports(graph, ("pkg.compat",), surface="pkg") == [("pkg.user", "pkg.compat.names")]
     assert structure.circles(graph) == [["pkg.base", "pkg.top"]]
+
+
+def test_longest_measures_classes_and_functions_with_their_bodies(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(5))
+    package = _package(tmp_path, {
+        "__init__.py": "",
+        "m.py": f"class Big:\n    def f(self):\n{body}\n\n    def g(self):\n        pass\n\n\ndef h():\n    pass\n",
+    })
+    assert structure.longest(ast.ClassDef, 5, package) == [(10, "pkg.m:Big")]
+    assert structure.longest(ast.FunctionDef, 2, package) == [(6, "pkg.m:f"), (2, "pkg.m:h")]

@@ -7,30 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from curvax import blocks, tags
+from curvax import blocks
+from layer_eqns import dense_eqn, generic_eqn
 
 pytestmark = pytest.mark.usefixtures("x64")
 
 KEY = jax.random.PRNGKey(0)
-
-
-def sds(shape):
-    return jax.ShapeDtypeStruct(tuple(shape), jnp.float64)
-
-
-def dense_eqn(d_in, d_out, batch, extra=(), bias=True, layout="io"):
-    w_shape = (d_in, d_out) if layout == "io" else (d_out, d_in)
-    params = (sds(w_shape),) + ((sds((d_out,)),) if bias else ())
-    return tags.LayerTagEqn(
-        primitive=tags.dense, outputs=(sds((batch, *extra, d_out)),), inputs=(sds((batch, *extra, d_in)),),
-        params=params, param_indices=tuple(range(len(params))), meta={"kernel_layout": layout}, name="layer",
-    )
-
-
-def generic_eqn(*shapes):
-    params = tuple(sds(s) for s in shapes)
-    return tags.LayerTagEqn(primitive=tags.generic, outputs=(), inputs=(), params=params,
-                            param_indices=tuple(range(len(params))), meta={}, name="gen")
 
 
 def arrange(vec, layout="io"):

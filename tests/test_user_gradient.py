@@ -21,6 +21,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import curvax
+import models
 import vmc
 
 KEY = jax.random.PRNGKey(0)
@@ -44,48 +45,6 @@ def plain_mlp(key: jax.Array) -> tuple[Callable, Any]:
     return (lambda p, x: jnp.tanh(x @ p["l0"]["w"] + p["l0"]["b"]) @ p["l1"]["w"] + p["l1"]["b"]), _float64(params)
 
 
-def haiku_mlp(key: jax.Array) -> tuple[Callable, Any]:
-    import haiku as hk
-
-    model = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([HID, OUT], activation=jnp.tanh)(x)))
-    return model.apply, _float64(model.init(key, jnp.zeros((1, IN))))
-
-
-def linen_mlp(key: jax.Array) -> tuple[Callable, Any]:
-    import flax.linen as nn
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(OUT)(jnp.tanh(nn.Dense(HID)(x)))
-
-    model = MLP()
-    return model.apply, _float64(model.init(key, jnp.zeros((1, IN))))
-
-
-def nnx_mlp(key: jax.Array) -> tuple[Callable, Any]:
-    from flax import nnx
-
-    class MLP(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.l0 = nnx.Linear(IN, HID, rngs=rngs)
-            self.l1 = nnx.Linear(HID, OUT, rngs=rngs)
-
-        def __call__(self, x):
-            return self.l1(jnp.tanh(self.l0(x)))
-
-    graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
-    return (lambda p, x: nnx.merge(graphdef, p)(x)), _float64(state)
-
-
-def equinox_mlp(key: jax.Array) -> tuple[Callable, Any]:
-    import equinox as eqx
-
-    model = eqx.nn.MLP(IN, OUT, HID, 1, activation=jnp.tanh, key=key)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    return (lambda p, x: jax.vmap(eqx.combine(p, static))(x)), _float64(params)
-
-
 def plain_linear(key: jax.Array) -> tuple[Callable, Any]:
     """One dense layer: with the squared error, K-FAC's block is the exact GGN (= the Hessian)."""
     params = {"w": jax.random.normal(key, (IN, OUT)) / 2, "b": jnp.full(OUT, 0.1)}
@@ -94,10 +53,7 @@ def plain_linear(key: jax.Array) -> tuple[Callable, Any]:
 
 FRAMEWORKS = {
     "plain_jax": plain_mlp,
-    "haiku": haiku_mlp,
-    "flax_linen": linen_mlp,
-    "flax_nnx": nnx_mlp,
-    "equinox": equinox_mlp,
+    **{f: functools.partial(models.framework_tanh_mlp, f, d_in=IN, d_hid=HID, d_out=OUT) for f in models.TANH_MLP_FRAMEWORKS},
 }
 
 
