@@ -104,6 +104,13 @@ def _check_update_args(updates: Any, state: Any, params: Any, batch: Any, params
         )
 
 
+def _split_over(mesh: Any) -> distributed.Distribution | None:
+    """The split of the curvature work over ``mesh``'s devices (None: no mesh, or one device)."""
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"`mesh` must be a jax.sharding.Mesh or None, got {type(mesh).__name__}.")
+    return distributed.make_distribution(True, True, mesh=mesh)
+
+
 def kfac_preconditioner(
     loss_fn: Callable[[Any, Any], Any],
     example_batch: Any,
@@ -168,9 +175,7 @@ def kfac_preconditioner(
     )
     example = _BatchSpec(example_batch)
     params_spec = _ParamsSpec()
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(f"`mesh` must be a jax.sharding.Mesh or None, got {type(mesh).__name__}.")
-    split = distributed.make_distribution(True, True, mesh=mesh)
+    split = _split_over(mesh)
 
     def init_fn(params: Any) -> KFACPreconditionerState:
         utils.check_float_params(params)

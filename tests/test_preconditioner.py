@@ -114,6 +114,16 @@ def test_bad_input_names_the_argument():
         curvax.kfac_preconditioner(_loss, batch, 0.1, estimation_mode="fisher")
     with pytest.raises(TypeError, match="loss_fn"):
         curvax.kfac_preconditioner("loss", batch, 0.1)
+    with pytest.raises(TypeError, match="`mesh` must be a jax.sharding.Mesh"):
+        curvax.kfac_preconditioner(_loss, batch, 0.1, mesh=jax.devices())
+    # A one-device mesh splits nothing: the same numbers as no mesh.
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    p0 = curvax.kfac_preconditioner(_loss, batch, 0.1).init(params)
+    g = jax.grad(_loss)(params, batch)
+    u_none, _ = curvax.kfac_preconditioner(_loss, batch, 0.1).update(g, p0, params, batch=batch)
+    u_one, _ = curvax.kfac_preconditioner(_loss, batch, 0.1, mesh=one).update(g, p0, params, batch=batch)
+    for a, b in zip(jax.tree_util.tree_leaves(u_none), jax.tree_util.tree_leaves(u_one)):
+        np.testing.assert_array_equal(a, b)
     tx = curvax.kfac_preconditioner(_loss, batch, 0.1)
     state = tx.init(params)
     grads = jax.grad(_loss)(params, batch)
