@@ -118,10 +118,10 @@ def test_bad_input_names_the_argument():
         curvax.kfac_preconditioner(_loss, batch, 0.1, mesh=jax.devices())
     # A one-device mesh splits nothing: the same numbers as no mesh.
     one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    p0 = curvax.kfac_preconditioner(_loss, batch, 0.1).init(params)
     g = jax.grad(_loss)(params, batch)
-    u_none, _ = curvax.kfac_preconditioner(_loss, batch, 0.1).update(g, p0, params, batch=batch)
-    u_one, _ = curvax.kfac_preconditioner(_loss, batch, 0.1, mesh=one).update(g, p0, params, batch=batch)
+    t_none, t_one = curvax.kfac_preconditioner(_loss, batch, 0.1), curvax.kfac_preconditioner(_loss, batch, 0.1, mesh=one)
+    u_none, _ = t_none.update(g, t_none.init(params), params, batch=batch)
+    u_one, _ = t_one.update(g, t_one.init(params), params, batch=batch)
     for a, b in zip(jax.tree_util.tree_leaves(u_none), jax.tree_util.tree_leaves(u_one)):
         np.testing.assert_array_equal(a, b)
     tx = curvax.kfac_preconditioner(_loss, batch, 0.1)
