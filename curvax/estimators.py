@@ -64,9 +64,12 @@ def statistics_are_finite(state: Any, pmap_axis_name: str | None = None) -> jax.
     every device takes the same decision.
     """
     blocks_states = state.blocks_states if isinstance(state, BlockDiagonalState) else (state,)
-    flags = [jnp.all(jnp.isfinite(x)) for s in blocks_states for x in _statistics_leaves(s)
+    # ``sum(x * 0)`` is 0 when every entry of ``x`` is finite and NaN otherwise (inf * 0 and NaN
+    # * 0 are NaN; no finite entry can overflow it): one add-reduction per leaf and one test,
+    # which XLA compiles several times faster than a boolean all-reduction per leaf.
+    zeros = [jnp.sum(x * 0) for s in blocks_states for x in _statistics_leaves(s)
              if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-    finite = jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+    finite = jnp.isfinite(sum(z.astype(jnp.result_type(*zeros)) for z in zeros)) if zeros else jnp.asarray(True)
     if utils.in_pmap(pmap_axis_name):
         finite = jax.lax.pmin(finite.astype(jnp.int32), pmap_axis_name).astype(bool)
     return finite

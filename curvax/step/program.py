@@ -170,13 +170,16 @@ class StepProgram:
         func_args = self.func.make_args(params, func_state, k2, sub_batch)
         if sub_batch is not batch:
             self.trace(func_args, sub_batch=True)
-        est, skipped = statistics.update_from_args(
-            self.estimator, state.estimator_state, 1.0, 1.0, self.batch_size_extractor(sub_batch), k1, func_args,
-            self.axis, self.cfg.estimation_mode,
+        # One linearized pass, as in the step, gives the curvature's data and the loss (its value
+        # only: the user's value_and_grad_func is not called, nor the loss differentiated).
+        lin = self.linearize(func_args)
+        view = forward.view_of(lin, self.batch_size_extractor(sub_batch))
+        est, skipped = statistics.update_from_view(
+            self.estimator, state.estimator_state, view, k1, self.cfg.estimation_mode, 1.0, self.axis
         )
         # A batch whose loss is not finite (a NaN example, out-of-range labels whose statistics
         # may still be finite) is invalid: its statistics are dropped too.
-        loss = self.func.split_outputs(self.func.value(*func_args))[0]
+        loss = lin.loss
         est, skipped = statistics.keep_if(statistics.loss_is_finite(loss, self.axis), state.estimator_state, est, skipped)
         state = dataclasses.replace(
             state, estimator_state=est, curvature_updates_skipped=state.curvature_updates_skipped + skipped
