@@ -22,6 +22,7 @@ import pytest
 import curvax
 from curvax import estimators
 
+import models
 from models import plain_jax
 
 
@@ -342,3 +343,23 @@ def test_a_nan_example_on_one_device_is_skipped_on_every_device():
     assert r["after"] == [False] * 8
     assert r["finite"] and r["same_on_devices"]
     assert r["optax_changed_per_device"] == [False] * 4  # device 1's NaN drops every device's update
+
+
+@pytest.mark.parametrize("bad", [None, np.inf, -np.inf, np.nan, 3.0e38])
+def test_statistics_finiteness_test_is_exact_under_jit(bad):
+    """``statistics_are_finite`` decides from ``sum(x * 0)``: every non-finite entry must make it
+    False, in any leaf, under ``jit`` (XLA must not fold ``x * 0`` to 0), and no finite entry may,
+    even the largest float32 ones (whose plain sum would overflow)."""
+    est = curvax.BlockDiagonalCurvature(models.softmax_loss)
+    params, batch = models.classifier(8)
+    state = est.init(jax.random.PRNGKey(0), (params, batch), None, None, False)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    stats = [i for i, x in enumerate(leaves) if getattr(x, "ndim", 0) == 2]
+    assert stats
+    if bad is not None:
+        i = stats[-1]
+        leaves[i] = leaves[i].at[0, -1].set(bad)
+        if bad == 3.0e38:  # many huge finite entries in every matrix
+            leaves = [x.at[...].set(3.0e38) if getattr(x, "ndim", 0) == 2 else x for x in leaves]
+    got = jax.jit(estimators.statistics_are_finite)(jax.tree_util.tree_unflatten(treedef, leaves))
+    assert bool(got) == (bad is None or np.isfinite(bad))
