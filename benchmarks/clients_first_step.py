@@ -30,7 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+import re
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -165,24 +166,33 @@ def child(backend: str, result: str) -> int:
         rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
         ph.enter("failed")
     rec["phases"] = ph.summary()
-    rec["events"] = ph.events
+    rec["compile_events"] = [e for e in ph.events if e["kind"] == "compile"]  # traces: counted in phases
     Path(result).write_text(json.dumps(rec, indent=1))
     return 0 if rec["ok"] else 1
 
 
-def hlo_sizes(dump: Path, top: int = 4) -> list[dict[str, Any]]:
-    """The largest XLA modules XLA dumped: instructions before and after XLA's optimizations."""
+def hlo_sizes(dump: Path, top: int = 4, kinds: int = 40) -> list[dict[str, Any]]:
+    """The largest XLA modules XLA dumped: instructions before and after XLA's optimizations, and
+    (the largest module) the most frequent instruction kinds after them."""
 
-    def count(path: Path) -> int:
-        return sum(1 for line in path.read_text(errors="replace").splitlines() if " = " in line)
+    def kinds_of(path: Path) -> Counter:
+        ops: Counter = Counter()
+        for line in path.read_text(errors="replace").splitlines():
+            if " = " in line:
+                m = re.search(r"\s([a-z][a-z0-9\-]*)\(", line.split(" = ", 1)[1])
+                ops[m.group(1) if m else "?"] += 1
+        return ops
 
     out = []
     for after in dump.glob("*after_optimizations.txt"):  # module_NNNN.NAME.cpu_after_optimizations.txt
         before = after.with_name(after.name.rsplit(".", 2)[0] + ".before_optimizations.txt")
-        out.append({"module": after.name.split(".")[1],
-                    "file": after.name, "instructions_after_opt": count(after),
-                    "instructions_before_opt": count(before) if before.exists() else None})
-    return sorted(out, key=lambda m: -m["instructions_after_opt"])[:top]
+        out.append({"module": after.name.split(".")[1], "file": after.name,
+                    "instructions_after_opt": sum(kinds_of(after).values()),
+                    "instructions_before_opt": sum(kinds_of(before).values()) if before.exists() else None})
+    out = sorted(out, key=lambda m: -m["instructions_after_opt"])[:top]
+    if out:
+        out[0]["kinds_after_opt"] = dict(kinds_of(dump / out[0]["file"]).most_common(kinds))
+    return out
 
 
 def run_child(backend: str, timeout: float, dump_hlo: bool, hlo_dir: Path | None = None) -> dict[str, Any]:
