@@ -472,13 +472,17 @@ def main(argv: list[str] | None = None) -> int:
         "configuration": {"steps": STEPS, "walkers": WALKERS, "seed": SEED, "devices": 1},
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "python": sys.version.split()[0],
+        "machine": {"cpu_count": os.cpu_count(), "load_average_before": list(os.getloadavg())},
         "runs": runs,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     for client in args.clients:
         for backend in args.backends:
             print(f"running {client} with {backend} ...", flush=True)
+            load = list(os.getloadavg())
             runs.append(run_child(client, backend, args.timeout))
+            runs[-1]["load_average_start"], runs[-1]["load_average_end"] = load, list(os.getloadavg())
+            out["machine"]["load_average_after"] = list(os.getloadavg())
             args.output.write_text(json.dumps(out, indent=1) + "\n")  # after each run: partial results survive
     print_table(runs)
     print(f"\nwrote {args.output}")

@@ -389,3 +389,54 @@ def test_shared_gradient_pass_only_where_it_is_the_users_gradient():
     assert shares(plain(apply)[0])
     for case in ("custom_vjp_clipped", "straight_through_inline_rule", "hand_written", "hand_written_wraps"):
         assert not shares(CUSTOM[case](apply)[0]), case
+
+
+def _energy_by_iteration(params: dict[str, Any], walkers: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``vmc``'s primal with the energy refined by a ``lax.while_loop`` (an iterative solver in the
+    value code; its fixed point is the mean local energy, reached exactly: ``(m + m) / 2 = m``)."""
+    e_l = vmc.local_energies(params, walkers)
+    mean = jnp.mean(e_l)
+    _, energy = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, 0.5 * (c[1] + mean)), (0, mean))
+    return energy, {"local_energy": e_l, "variance": jnp.mean((e_l - energy) ** 2)}
+
+
+_energy_iterated = jax.custom_jvp(_energy_by_iteration)
+_energy_iterated.defjvp(vmc._vmc_rule(_energy_by_iteration))
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_step_never_differentiates_the_value_code_of_a_custom_rule(adaptive):
+    """The gradient comes from the user's rule, and the curvature needs only the registered
+    loss's input (``log psi``), so the step must not linearize the code that computes the value:
+    here a ``while_loop`` (no reverse mode), which made the curvature pass raise although the
+    user's ``value_and_grad_func`` runs (kfac-jax 0.0.8 steps). With the same value and rule as
+    ``vmc``'s inline-rule loss, the step is that loss's step."""
+    iterated = jax.value_and_grad(_energy_iterated, has_aux=True)
+    params = vmc.init_params(KEY)
+    walkers = vmc.initial_walkers(jax.random.PRNGKey(1), 32)
+    (value, _), user = jax.jit(iterated)(params, walkers)
+    (ref_value, _), ref_user = jax.jit(vmc.value_and_grad_func_inline_rule)(params, walkers)
+    assert value == ref_value
+    np.testing.assert_array_equal(flat(user), flat(ref_user))
+    with pytest.raises(ValueError, match="Reverse-mode"):  # the value code itself has no transpose
+        jax.grad(lambda p: _energy_by_iteration(p, walkers)[0])(params)
+
+    def step(value_and_grad_func: Callable) -> tuple[Any, Any]:
+        coefficients = {} if adaptive else {"learning_rate": 0.1, "momentum": 0.0, "damping": 1e-3}
+        opt = curvax.Optimizer(
+            value_and_grad_func, l2_reg=0.0, value_func_has_aux=True, num_burnin_steps=0,
+            use_adaptive_learning_rate=adaptive, use_adaptive_momentum=adaptive, use_adaptive_damping=adaptive,
+            initial_damping=1e-3 if adaptive else None,
+        )
+        state = opt.init(params, KEY, walkers)
+        new_params, _, stats = opt.step(params, state, KEY, batch=walkers, **coefficients)
+        return new_params, stats
+
+    new_params, stats = step(iterated)
+    ref_params, ref_stats = step(vmc.value_and_grad_func_inline_rule)
+    assert float(stats["loss"]) == float(value)
+    np.testing.assert_allclose(flat(new_params), flat(ref_params), rtol=1e-12, atol=1e-14)
+    assert not np.allclose(flat(new_params), flat(params))
+    if adaptive:
+        np.testing.assert_allclose(stats["learning_rate"], ref_stats["learning_rate"], rtol=1e-10)

@@ -20,7 +20,8 @@ class Linearization(NamedTuple):
     """The loss at ``func_args``, linearized.
 
     ``loss`` and ``deps`` (the registered losses' inputs) are the primal outputs; ``f_vjp`` the
-    transposed linearization; ``outs`` the function's flat outputs; ``losses`` the registered
+    transposed linearization, of cotangents ``(loss, deps)`` (None when the loss was not
+    linearized: ``linearize(..., with_loss=False)``); ``outs`` the function's flat outputs; ``losses`` the registered
     losses; ``data_for(cotangents)`` the per-layer estimation data for cotangents of the loss
     inputs (None: forward-only data); ``deps_jvp(v)`` the loss inputs' tangents along a
     parameter vector ``v``.
@@ -28,7 +29,7 @@ class Linearization(NamedTuple):
 
     loss: Any
     deps: Any
-    f_vjp: Callable[..., Any]
+    f_vjp: Callable[..., Any] | None
     outs: Any
     losses: Sequence[Any]
     data_for: Callable[[Any], list]
@@ -45,24 +46,41 @@ class CurvatureView(NamedTuple):
     batch_size: Any
 
 
-def linearize(pj: Any, func_args: Sequence[Any]) -> Linearization:
-    """The traced function ``pj`` (a ``ProcessedJaxpr``) at ``func_args``, linearized."""
+def linearize(pj: Any, func_args: Sequence[Any], with_loss: bool = True) -> Linearization:
+    """The traced function ``pj`` (a ``ProcessedJaxpr``) at ``func_args``, linearized.
+
+    ``with_loss`` False linearizes only the registered losses' inputs: the loss value is then a
+    primal output (``f_vjp`` is None), so its derivative is neither built nor transposed. That
+    is what the curvature needs, and all it can use when the gradient comes from the user's
+    ``value_and_grad_func``: a loss whose value is computed by other code than its derivative
+    (a custom rule, e.g. the VMC energy over local energies with second derivatives, or an
+    iterative solver's ``while_loop``) would otherwise have that value code differentiated,
+    which costs a pass the step discards, or fails (``while_loop`` has no transpose).
+    """
     p, o = pj.split_args(func_args)
     eps = pj.zero_perturbations(p, o)
 
     def fwd(q: Any, e: Any) -> Any:
         (deps, outs), aux = pj.evaluate(q, o, e, with_outputs=True)
-        return (outs[0], deps), (aux, outs)
+        return ((outs[0], deps) if with_loss else deps), (aux, outs)
 
-    (loss, deps), f_jvp, ((ops, layer_data), outs) = jax.linearize(fwd, p, eps, has_aux=True)
-    f_vjp = jax.linear_transpose(f_jvp, p, eps)
+    primal, f_jvp, ((ops, layer_data), outs) = jax.linearize(fwd, p, eps, has_aux=True)
+    f_t = jax.linear_transpose(f_jvp, p, eps)
+    if with_loss:
+        (loss, deps), f_vjp = primal, f_t
+        deps_of = lambda t: t[1]  # noqa: E731
+        vjp_of_deps = lambda cot: f_t((jnp.zeros_like(loss), cot))  # noqa: E731
+    else:
+        loss, deps, f_vjp = outs[0], primal, None
+        deps_of = lambda t: t  # noqa: E731
+        vjp_of_deps = f_t
 
     def data_for(cot: Any) -> list:
-        dp, de = zero_tangents(p, eps) if cot is None else f_vjp((jnp.zeros_like(loss), cot))
+        dp, de = zero_tangents(p, eps) if cot is None else vjp_of_deps(cot)
         return assemble_layer_data(pj, p, layer_data, dp, de)
 
     def deps_jvp(v: Any) -> Any:
-        return f_jvp(jax.tree_util.tree_leaves(v), jax.tree_util.tree_map(jnp.zeros_like, eps))[1]
+        return deps_of(f_jvp(jax.tree_util.tree_leaves(v), jax.tree_util.tree_map(jnp.zeros_like, eps)))
 
     return Linearization(loss, deps, f_vjp, outs, pj.losses_from_operands(ops), data_for, deps_jvp)
 
@@ -70,6 +88,8 @@ def linearize(pj: Any, func_args: Sequence[Any]) -> Linearization:
 def shared_gradient(lin: Linearization, pj: Any) -> tuple[Any, Any]:
     """``(value, grads)`` from the pass itself: the value function's output tree and the
     gradient of the loss (valid when ``curvax.gradients`` proved it equal to the user's)."""
+    if lin.f_vjp is None:
+        raise ValueError("shared_gradient needs a linearization of the loss (linearize(..., with_loss=True)).")
     zero_deps = jax.tree_util.tree_map(jnp.zeros_like, lin.deps)
     grads_flat, _ = lin.f_vjp((jnp.ones_like(lin.loss), zero_deps))
     grads = jax.tree_util.tree_unflatten(pj.params_tree, grads_flat)

@@ -101,9 +101,10 @@ class StepProgram:
                 "Use reshape(x.shape[0], -1)" + (", or curvature_batch_fraction=1." if sub_batch else ".")
             ) from e
 
-    def linearize(self, func_args: Sequence[Any]) -> forward.Linearization:
-        """The value function at ``func_args``, linearized (``curvax.step.forward.linearize``)."""
-        return forward.linearize(self.estimator.processed_jaxpr_for(func_args), func_args)
+    def linearize(self, func_args: Sequence[Any], with_loss: bool = False) -> forward.Linearization:
+        """The value function at ``func_args``, linearized (``curvax.step.forward.linearize``);
+        the loss itself only with ``with_loss`` (for the shared gradient pass)."""
+        return forward.linearize(self.estimator.processed_jaxpr_for(func_args), func_args, with_loss)
 
     def state_shardings_for(self, params: Any) -> OptimizerState | None:
         """Where the state lives when ``params`` span a mesh of several devices (else None).
@@ -192,7 +193,7 @@ class StepProgram:
         """Phases 1-2: one linearized forward pass gives the curvature's data and, where proven
         the same (``curvax.gradients``), the loss and the gradient; otherwise those come from
         the user's ``value_and_grad_func``. Averaged over the pmap devices."""
-        lin = self.linearize(func_args)
+        lin = self.linearize(func_args, with_loss=self.shares_gradient)
         loss = lin.loss
         if self.shares_gradient:
             value, grads = forward.shared_gradient(lin, pj)
