@@ -316,6 +316,14 @@ class Optimizer:
         == phase_i`` (``estimator.refresh_phases``, phases balanced by factor size), so no step
         pays for all inverses. Needs ``inverse_update_period > 1``. Default False (kfac-jax's
         schedule).
+      curvature_dtype: ours. The dtype the curvature statistics are accumulated and stored in:
+        ``jnp.float32`` or ``jnp.float64`` (under ``jax_enable_x64``). Default None: the
+        parameters' dtype, promoted to at least float32, so bfloat16 and float16 models keep
+        float32 statistics and float32/float64 models are unchanged (mixed precision, see
+        ``docs/guides/performance.md``).
+      inverse_dtype: ours. The dtype the cached decompositions (eigh, Cholesky, damped
+        inverses) are computed and stored in: float32 or float64. Default None:
+        ``curvature_dtype``'s. Preconditioned updates are cast back to each parameter's dtype.
 
     Raises:
       ValueError, TypeError: for contradictory or out-of-range arguments, naming the argument
@@ -389,6 +397,7 @@ class Optimizer:
         precon_power: Any = -1.0,
         exact_quad_model_matrix_type: str | None = None,
         inverse_update_staggered: bool = False,
+        curvature_dtype: Any = None, inverse_dtype: Any = None,
     ):
         """Checks the arguments and builds the (not yet traced) curvature estimator.
 
@@ -509,8 +518,9 @@ class Optimizer:
         ``batch`` split over them; the state comes back with that axis.
 
         Args:
-          params: the parameters pytree that ``step`` will update: float32 or float64 leaves
-            (half precision is refused: cast inside the loss function instead).
+          params: the parameters pytree that ``step`` will update: floating-point leaves
+            (bfloat16, float16, float32 or float64; half-precision models get float32
+            curvature, see ``curvature_dtype``).
           rng: a PRNG key (``jax.random.PRNGKey``); passed to the value function when
             ``value_func_has_rng``, and used for the blocks' initial state.
           batch: an example batch with the shapes of the training batches (after

@@ -115,6 +115,8 @@ def kfac_preconditioner(
     layer_tag_to_block_ctor: Mapping[str, Callable[..., Any]] | None = None,
     batch_size_extractor: Callable[[Any], Any] = utils.default_batch_size_extractor,
     seed: int = 0,
+    curvature_dtype: Any = None,
+    inverse_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC preconditioning of the incoming updates (gradients), as an Optax transformation.
 
@@ -142,6 +144,11 @@ def kfac_preconditioner(
         Default: the leading size of the batch's first leaf.
       seed: the integer seed of the first PRNG key of the sampled estimation modes (e.g.
         ``fisher_gradients``); ``update`` may also be given ``rng=`` instead. Default 0.
+      curvature_dtype: the dtype of the curvature statistics, float32 or float64. Default
+        None: the parameters' dtype promoted to at least float32 (bfloat16 and float16
+        parameters get float32 statistics; the updates come back in each parameter's dtype).
+      inverse_dtype: the dtype of the damped inverses and their decompositions, float32 or
+        float64. Default None: ``curvature_dtype``'s.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` traces ``loss_fn``
@@ -157,7 +164,8 @@ def kfac_preconditioner(
     """
     period = _config.check_kfac_preconditioner_args(loss_fn, damping, l2_reg, curvature_ema, inverse_update_period, estimation_mode, example_batch)
     estimator = estimators.BlockDiagonalCurvature(
-        loss_fn, params_index=0, default_estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor
+        loss_fn, params_index=0, default_estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor,
+        curvature_dtype=curvature_dtype, inverse_dtype=inverse_dtype,
     )
     example = _BatchSpec(example_batch)
     params_spec = _ParamsSpec()
@@ -265,6 +273,10 @@ class OptaxPreconditioner:
       should_vmap_samples: kfac-jax compatibility, accepted and unused.
       norm_to_scale_identity_weight_per_block: kfac-jax compatibility: only None
         (``NotImplementedError`` otherwise).
+      curvature_dtype: ours, keyword only: the dtype of the curvature statistics, float32 or
+        float64. Default None: the parameters' dtype promoted to at least float32.
+      inverse_dtype: ours, keyword only: the dtype of the cached decompositions and inverses,
+        float32 or float64. Default None: ``curvature_dtype``'s.
     """
 
     def __init__(
@@ -291,6 +303,9 @@ class OptaxPreconditioner:
         num_samples: int = 1,
         should_vmap_samples: bool = False,
         norm_to_scale_identity_weight_per_block: str | None = None,
+        *,
+        curvature_dtype: Any = None,
+        inverse_dtype: Any = None,
     ):
         _config.check_optax_preconditioner_args(locals())
         del distributed_inverses, distributed_precon_apply, should_vmap_samples
@@ -315,6 +330,8 @@ class OptaxPreconditioner:
             params_index=0,
             default_estimation_mode=estimators.check_estimation_mode(estimation_mode),
             layer_tag_to_block_ctor=layer_tag_to_block_ctor,
+            curvature_dtype=curvature_dtype,
+            inverse_dtype=inverse_dtype,
             **kwargs,
         )
 
