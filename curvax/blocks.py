@@ -469,12 +469,14 @@ class CurvatureBlock(abc.ABC):
 
     def set_dtypes(self, curvature_dtype: Any = None, inverse_dtype: Any = None) -> None:
         """Chooses the statistics' dtype and the cache's (float32 or float64; None: the default),
-        for this block and the blocks it wraps. Call it before ``init``."""
+        for this block and the blocks it wraps (attributes holding blocks, or lists or tuples of
+        them). Call it before ``init``."""
         self._curvature_dtype = utils.check_curvature_dtype(curvature_dtype, "curvature_dtype")
         self._inverse_dtype = utils.check_curvature_dtype(inverse_dtype, "inverse_dtype")
-        for member in vars(self).values():
-            if isinstance(member, CurvatureBlock):
-                member.set_dtypes(curvature_dtype, inverse_dtype)
+        for member in vars(self).values():  # wrapped blocks: an attribute, or a list or tuple of them
+            for block in member if isinstance(member, (list, tuple)) else (member,):
+                if isinstance(block, CurvatureBlock):
+                    block.set_dtypes(curvature_dtype, inverse_dtype)
 
     # --- scale ----------------------------------------------------------------------
 

@@ -80,11 +80,10 @@ def _transformer():
 # Tolerance: bfloat16 keeps 8 significant bits, a relative rounding of 2^-9 ~ 2e-3 per operation
 # (eps = 2^-8 ~ 3.9e-3). Each step rounds the activations, the loss, the gradient and the update,
 # and the next step starts from the rounded parameters, so the two runs drift apart by a few eps
-# per step; over 12 steps of a loss that falls by an order of magnitude we allow a relative gap of
-# 8% (~20 eps) plus 0.01 absolute (losses near 0.1, where one eps of the logits is ~1e-3 of loss).
-# A bfloat16 run whose statistics or scalar products were bfloat16 sums drifts much further
-# (the damping adaptation and the quadratic model's 2x2 solve amplify errors of the order of eps).
-CURVE_RTOL, CURVE_ATOL, CURVE_STEPS = 0.08, 0.01, 12
+# per step. Over 12 steps of a loss that falls by an order of magnitude we allow a relative gap of
+# 5% (~13 eps) plus 0.01 absolute (losses near 0.05-0.15, where one eps of the logits moves the
+# loss by ~1e-3). Measured: at most 0.8% (MLP) and 3.1% (transformer, step 8) apart.
+CURVE_RTOL, CURVE_ATOL, CURVE_STEPS = 0.05, 0.01, 12
 
 
 @pytest.mark.parametrize("model", [_mlp, _transformer], ids=["mlp", "transformer"])
@@ -141,12 +140,36 @@ def test_bfloat16_factors_are_float32_and_equal_the_float32_factors(model):
             if i == 0 and name == "inputs_factor":
                 # The first layer's inputs are the batch, exact in bfloat16, and a product of two
                 # bfloat16 numbers is exact in float32: accumulated in float32, this factor is
-                # the float32 model's up to the order of the sums (bfloat16 sums would be ~4e-3 off).
+                # the float32 model's up to the order of the sums (bfloat16 sums would be ~3e-3 off).
                 np.testing.assert_allclose(f16, f32, rtol=1e-5, atol=1e-6 * np.abs(f32).max())
             else:
                 # Activations and output tangents rounded to bfloat16 (relative 2^-9 each, a few
                 # roundings deep): 2% of the factor's norm.
                 assert np.linalg.norm(f16 - f32) <= 2e-2 * np.linalg.norm(f32), (i, name)
+
+
+def _scan_loss(p, batch):
+    """Three dense layers stacked in a ``lax.scan``: one ``StackedBlock`` wrapping a dense block."""
+    x, t = batch
+    h, _ = jax.lax.scan(lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None), x, (p["w"], p["b"]))
+    y = h @ p["out"]
+    curvax.register_squared_error_loss(y, t)
+    return 0.5 * jnp.mean(jnp.sum((y - t) ** 2, -1))
+
+
+def test_wrapped_blocks_of_a_bfloat16_model_follow_the_dtype_options(x64):
+    """A ``StackedBlock`` (and the block it wraps) gets float32 statistics for a bfloat16 model,
+    and float64 ones when ``curvature_dtype`` asks."""
+    k = jax.random.split(jax.random.PRNGKey(0), 5)
+    params = {"w": jax.random.normal(k[0], (3, 4, 4)) / 2, "b": jax.random.normal(k[1], (3, 4)) / 10,
+              "out": jax.random.normal(k[2], (4, 2))}
+    batch = (jax.random.normal(k[3], (5, 4)), jax.random.normal(k[4], (5, 2)))
+    params, batch = _cast(params, jnp.bfloat16), _cast(batch, jnp.bfloat16)
+    for options, want in (({}, "float32"), ({"curvature_dtype": jnp.float64}, "float64")):
+        est, state = _factors(_scan_loss, params, batch, **options)
+        stacked = [b for b in est.blocks if type(b).__name__ == "StackedBlock"]
+        assert len(stacked) == 1 and stacked[0].inner.dtype == want
+        assert _floating_dtypes(state) == {want}
 
 
 def test_kfac_operator_of_a_bfloat16_model_is_float32():
@@ -165,13 +188,14 @@ def test_kfac_operator_of_a_bfloat16_model_is_float32():
 
 
 def test_float16_follows_the_float32_kfac_loss_curve():
-    """float16 keeps 11 significant bits (eps ~ 1e-3): a tighter curve than bfloat16's."""
+    """float16 keeps 11 significant bits (eps ~ 1e-3, 4x finer than bfloat16): the curves agree to
+    1% relative (~10 eps) plus 2e-3; measured: at most 0.3% apart over 8 steps."""
     loss_fn, params, batch = _mlp()
     params, batch = _rounded(params, jnp.float16), (_rounded(batch[0], jnp.float16), batch[1])
     ref, _, _ = _train(loss_fn, params, batch, 8)
     half, p_half, state = _train(loss_fn, _cast(params, jnp.float16), _cast(batch, jnp.float16), 8)
     assert np.all(np.isfinite(half)) and half[-1] < 0.5 * half[0]
-    np.testing.assert_allclose(half, ref, rtol=0.03, atol=3e-3)
+    np.testing.assert_allclose(half, ref, rtol=0.01, atol=2e-3)
     assert _floating_dtypes(p_half) == {"float16"}
     assert _floating_dtypes(state.estimator_state) == {"float32"}
 
