@@ -217,6 +217,12 @@ def _check_power(power: Any) -> Numeric:
     return _normalise_power(power)
 
 
+def _cast_floating(tree: Any, dtype: Any) -> Any:
+    """``tree`` with its floating-point leaves cast to ``dtype`` (a structural copy)."""
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x
+    return jax.tree_util.tree_map(cast, tree)
+
+
 def _is_one(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == 1
 
@@ -436,11 +442,41 @@ class CurvatureBlock(abc.ABC):
         """Total number of scalar parameters: the side of the block's matrix."""
         return int(sum(self.parameters_sizes))
 
+    # Set by ``set_dtypes`` (the estimator's ``curvature_dtype`` and ``inverse_dtype``); None: default.
+    _curvature_dtype: Any = None
+    _inverse_dtype: Any = None
+
     @property
     def dtype(self) -> Any:
-        """The dtype used for the block's statistics (that of its first parameter)."""
+        """The dtype of the block's statistics: ``set_dtypes``'s ``curvature_dtype``, by default
+        its first parameter's dtype promoted to at least float32 (float32 for bfloat16 and
+        float16 parameters; float32 and float64 parameters keep theirs)."""
+        if self._curvature_dtype is not None:
+            return self._curvature_dtype
         params = self._layer_tag_eq.params
-        return params[0].dtype if params else jnp.float32
+        return utils.at_least_float32(params[0].dtype) if params else jnp.float32
+
+    def _statistics_dtype(self, param_dtype: Any) -> Any:
+        """The statistics' dtype for one parameter of ``param_dtype`` (blocks with one array per
+        parameter): ``curvature_dtype`` when set, else ``param_dtype`` at least float32."""
+        return utils.at_least_float32(param_dtype) if self._curvature_dtype is None else self._curvature_dtype
+
+    @property
+    def inverse_dtype(self) -> Any:
+        """The dtype ``update_cache`` decomposes the statistics in (eigh, Cholesky, inverses) and
+        stores the cache in: ``set_dtypes``'s ``inverse_dtype``, by default ``dtype``."""
+        return self.dtype if self._inverse_dtype is None else self._inverse_dtype
+
+    def set_dtypes(self, curvature_dtype: Any = None, inverse_dtype: Any = None) -> None:
+        """Chooses the statistics' dtype and the cache's (float32 or float64; None: the default),
+        for this block and the blocks it wraps (attributes holding blocks, or lists or tuples of
+        them). Call it before ``init``."""
+        self._curvature_dtype = utils.check_curvature_dtype(curvature_dtype, "curvature_dtype")
+        self._inverse_dtype = utils.check_curvature_dtype(inverse_dtype, "inverse_dtype")
+        for member in vars(self).values():  # wrapped blocks: an attribute, or a list or tuple of them
+            for block in member if isinstance(member, (list, tuple)) else (member,):
+                if isinstance(block, CurvatureBlock):
+                    block.set_dtypes(curvature_dtype, inverse_dtype)
 
     # --- scale ----------------------------------------------------------------------
 
@@ -509,7 +545,10 @@ class CurvatureBlock(abc.ABC):
         """The initial state, with cache entries for the requested powers/eigenvalues."""
         exact = _to_powers(exact_powers_to_cache, "exact_powers_to_cache")
         approx = _to_powers(approx_powers_to_cache, "approx_powers_to_cache")
-        return self._init(rng, exact, approx, bool(cache_eigenvalues))
+        state = self._init(rng, exact, approx, bool(cache_eigenvalues))
+        if self.inverse_dtype != self.dtype and getattr(state, "cache", None) is not None:
+            state.cache = _cast_floating(state.cache, self.inverse_dtype)
+        return state
 
     def multiply_matpower(
         self,
@@ -528,8 +567,10 @@ class CurvatureBlock(abc.ABC):
         power = _check_power(power)
         from_cache = bool(use_cached) and self._serves_from_cache(power, bool(exact_power))
         s = self.scale(state, from_cache)
+        # Half-precision vectors are multiplied in the statistics' dtype, then cast back.
+        wide = tuple(v if jnp.promote_types(v.dtype, self.dtype) == v.dtype else v.astype(self.dtype) for v in vec)
         out = self._multiply_matpower_unscaled(
-            state, vec, _div(identity_weight, s), power, bool(exact_power), from_cache
+            state, wide, _div(identity_weight, s), power, bool(exact_power), from_cache
         )
         factor = _pow_scalar(s, power)
         return tuple(_mul(o, factor).astype(v.dtype) for o, v in zip(out, vec))
@@ -592,7 +633,25 @@ class CurvatureBlock(abc.ABC):
         """Recomputes the cached quantities from the current estimate; returns a new state."""
         exact = _to_powers(exact_powers, "exact_powers")
         approx = _to_powers(approx_powers, "approx_powers")
-        return self._update_cache(_copy_state(state), identity_weight, exact, approx, bool(eigenvalues))
+        if self.inverse_dtype == self.dtype:
+            return self._update_cache(_copy_state(state), identity_weight, exact, approx, bool(eigenvalues))
+        return self._update_cache_in_inverse_dtype(state, identity_weight, exact, approx, bool(eigenvalues))
+
+    def _update_cache_in_inverse_dtype(
+        self, state: Any, identity_weight: Numeric, exact: tuple, approx: tuple, eigenvalues: bool
+    ) -> Any:
+        """``_update_cache`` on the statistics cast to ``inverse_dtype``: the decompositions run in
+        it and the cache is stored in it; the statistics come back in their own dtypes."""
+        work = _copy_state(state)
+        stats = [f.name for f in dataclasses.fields(work) if f.name != "cache"]
+        for name in stats:
+            setattr(work, name, _cast_floating(getattr(work, name), self.inverse_dtype))
+        new = self._update_cache(work, identity_weight, exact, approx, eigenvalues)
+        for name in stats:
+            setattr(new, name, jax.tree_util.tree_map(lambda n, o: n.astype(o.dtype), getattr(new, name), getattr(state, name)))
+        if new.cache is not None:
+            new.cache = _cast_floating(new.cache, self.inverse_dtype)
+        return new
 
     def to_dense_matrix(self, state: "CurvatureBlock.State") -> Array:
         """The ``dim x dim`` matrix ``C`` in parameter order (each parameter flattened, C order)."""
@@ -731,10 +790,11 @@ class Diagonal(CurvatureBlock, abc.ABC):
 
     def _init(self, rng, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues):
         del rng
-        factors = tuple(WeightedMovingAverage.zeros(p.shape, p.dtype) for p in self.parameter_variables)
+        dtypes = [self._statistics_dtype(p.dtype) for p in self.parameter_variables]
+        factors = tuple(WeightedMovingAverage.zeros(p.shape, d) for p, d in zip(self.parameter_variables, dtypes))
         cache = None
         if exact_powers_to_cache or approx_powers_to_cache or cache_eigenvalues:
-            cache = {"diagonals": tuple(jnp.zeros(p.shape, p.dtype) for p in self.parameter_variables)}
+            cache = {"diagonals": tuple(jnp.zeros(p.shape, d) for p, d in zip(self.parameter_variables, dtypes))}
         return Diagonal.State(cache=cache, diagonal_factors=factors)
 
     def update_curvature_matrix_estimate(

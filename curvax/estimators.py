@@ -404,6 +404,10 @@ class BlockDiagonalCurvature(CurvatureEstimator):
       distributed_multiplies: allow ``multiply_matpower(..., distribution=...)`` to split the
         products over devices (``curvax.distributed``). Default True.
       distributed_cache_updates: likewise for ``update_cache``. Default True.
+      curvature_dtype: the statistics' dtype, float32 or float64. Default None: the parameters'
+        dtype, at least float32 (bfloat16 and float16 models get float32 statistics).
+      inverse_dtype: the dtype of the cached decompositions (eigh, Cholesky, inverses), float32
+        or float64. Default None: ``curvature_dtype``'s.
       auto_register_kwargs: further options of the layer detection: ``register_only_generic``
         (generic blocks for everything not registered by hand), ``patterns_to_skip`` (pattern
         names not to match, see ``curvax.detection.known_pattern_names()``) and
@@ -423,9 +427,12 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         auto_register_tags: bool = True,
         distributed_multiplies: bool = True,
         distributed_cache_updates: bool = True,
+        curvature_dtype: Any = None, inverse_dtype: Any = None,
         **auto_register_kwargs: Any,
     ):
         super().__init__(func, params_index, default_estimation_mode)
+        self.curvature_dtype = utils.check_curvature_dtype(curvature_dtype, "curvature_dtype")
+        self.inverse_dtype = utils.check_curvature_dtype(inverse_dtype, "inverse_dtype")
         self._layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
         self._index_to_block_ctor = {tuple(k): v for k, v in (index_to_block_ctor or {}).items()}
         self._cache = _Cache(func, params_index, auto_register_tags=auto_register_tags, **auto_register_kwargs)
@@ -458,6 +465,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
                 blocks.append(StackedBlock.from_ctor(ctor, eqn, site.name))  # one block per stacked layer
             else:
                 blocks.append(blocks_lib.construct_block(ctor, eqn, site.name))
+            if self.curvature_dtype is not None or self.inverse_dtype is not None:
+                blocks[-1].set_dtypes(self.curvature_dtype, self.inverse_dtype)
         self._blocks = tuple(blocks)
 
     def block_ctor_for(self, eqn: tags.LayerTagEqn) -> Callable[..., Any]:

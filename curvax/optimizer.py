@@ -99,7 +99,8 @@ class Optimizer:
       ``precon_damping_schedule``.
     - The curvature estimate: ``estimation_mode``, ``curvature_ema``,
       ``curvature_update_period``, ``curvature_batch_fraction``, ``num_burnin_steps``,
-      ``inverse_update_period``, ``inverse_update_staggered``, ``use_exact_inverses``.
+      ``inverse_update_period``, ``inverse_update_staggered``, ``use_exact_inverses``,
+      ``curvature_dtype``, ``inverse_dtype``.
     - Layer detection: ``use_automatic_registration``, ``register_only_generic``,
       ``patterns_to_skip``, ``auto_register_kwargs``, ``layer_tag_to_block_ctor``.
     - Devices and debugging: ``multi_device``, ``pmap_axis_name``, ``debug``,
@@ -190,6 +191,7 @@ class Optimizer:
         precon_power: Any = -1.0,
         exact_quad_model_matrix_type: str | None = None,
         inverse_update_staggered: bool = False,
+        curvature_dtype: Any = None, inverse_dtype: Any = None,
     ):
         """Checks the arguments and builds the (not yet traced) curvature estimator.
 
@@ -311,8 +313,9 @@ class Optimizer:
         ``batch`` split over them; the state comes back with that axis.
 
         Args:
-          params: the parameters pytree that ``step`` will update: float32 or float64 leaves
-            (half precision is refused: cast inside the loss function instead).
+          params: the parameters pytree that ``step`` will update: floating-point leaves
+            (bfloat16, float16, float32 or float64; half-precision models get float32
+            curvature, see ``curvature_dtype``).
           rng: a PRNG key (``jax.random.PRNGKey``); passed to the value function when
             ``value_func_has_rng``, and used for the blocks' initial state.
           batch: an example batch with the shapes of the training batches (after

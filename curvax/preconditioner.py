@@ -124,6 +124,8 @@ def kfac_preconditioner(
     batch_size_extractor: Callable[[Any], Any] = utils.default_batch_size_extractor,
     seed: int = 0,
     mesh: Mesh | None = None,
+    curvature_dtype: Any = None,
+    inverse_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC preconditioning of the incoming updates (gradients), as an Optax transformation.
 
@@ -156,6 +158,11 @@ def kfac_preconditioner(
         of its share of the blocks and preconditions their gradients, and one ``all_gather``
         shares the results (``curvax.distributed``): the same numbers as without, 1/N of the
         work per device. Default None: every device does all of it.
+      curvature_dtype: the dtype of the curvature statistics, float32 or float64. Default
+        None: the parameters' dtype promoted to at least float32 (bfloat16 and float16
+        parameters get float32 statistics; the updates come back in each parameter's dtype).
+      inverse_dtype: the dtype of the damped inverses and their decompositions, float32 or
+        float64. Default None: ``curvature_dtype``'s.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``init(params)`` traces ``loss_fn``
@@ -171,7 +178,8 @@ def kfac_preconditioner(
     """
     period = _config.check_kfac_preconditioner_args(loss_fn, damping, l2_reg, curvature_ema, inverse_update_period, estimation_mode, example_batch)
     estimator = estimators.BlockDiagonalCurvature(
-        loss_fn, params_index=0, default_estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor
+        loss_fn, params_index=0, default_estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor,
+        curvature_dtype=curvature_dtype, inverse_dtype=inverse_dtype,
     )
     example = _BatchSpec(example_batch)
     params_spec = _ParamsSpec()
@@ -282,6 +290,10 @@ class OptaxPreconditioner:
       should_vmap_samples: kfac-jax compatibility, accepted and unused.
       norm_to_scale_identity_weight_per_block: kfac-jax compatibility: only None
         (``NotImplementedError`` otherwise).
+      curvature_dtype: ours, keyword only: the dtype of the curvature statistics, float32 or
+        float64. Default None: the parameters' dtype promoted to at least float32.
+      inverse_dtype: ours, keyword only: the dtype of the cached decompositions and inverses,
+        float32 or float64. Default None: ``curvature_dtype``'s.
     """
 
     def __init__(
@@ -308,6 +320,9 @@ class OptaxPreconditioner:
         num_samples: int = 1,
         should_vmap_samples: bool = False,
         norm_to_scale_identity_weight_per_block: str | None = None,
+        *,
+        curvature_dtype: Any = None,
+        inverse_dtype: Any = None,
     ):
         _config.check_optax_preconditioner_args(locals())
         del should_vmap_samples
@@ -337,6 +352,8 @@ class OptaxPreconditioner:
             params_index=0,
             default_estimation_mode=estimators.check_estimation_mode(estimation_mode),
             layer_tag_to_block_ctor=layer_tag_to_block_ctor,
+            curvature_dtype=curvature_dtype,
+            inverse_dtype=inverse_dtype,
             **kwargs,
         )
 

@@ -25,6 +25,8 @@ FuncArgs = Sequence[Any]
 def inner_product(obj1: Any, obj2: Any, in_float64: bool = False) -> jax.Array:
     """Sum over leaves of ``sum(a * b)``; the two pytrees must have the same structure.
 
+    Half-precision leaves are multiplied and summed in float32 (the result is float32).
+
     ``in_float64=True`` accumulates in float64 (when x64 is available) and
     returns the result in the leaves' dtype (kfac-jax's keyword).
     """
@@ -39,7 +41,18 @@ def inner_product(obj1: Any, obj2: Any, in_float64: bool = False) -> jax.Array:
         with jax.enable_x64(True):
             total = sum(jnp.sum(a.astype(jnp.float64) * b.astype(jnp.float64)) for a, b in zip(l1, l2))
         return total.astype(dtype)
-    return sum(jnp.sum(a * b) for a, b in zip(l1, l2))
+    # Half-precision leaves (bfloat16/float16 parameters) are multiplied and summed in float32:
+    # the scalar products choose the step's coefficients. Wider leaves are left untouched.
+    return sum(jnp.sum(widen_half(a) * widen_half(b)) for a, b in zip(l1, l2))
+
+
+def widen_half(x: Any) -> Any:
+    """``x`` in float32 when it is a half-precision (bfloat16/float16) array, else ``x`` itself,
+    untouched: the scalar products of a half-precision model's step are taken in float32."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        return x.astype(jnp.float32)
+    return x
 
 
 def squared_norm(obj: Any) -> jax.Array:
@@ -107,22 +120,69 @@ def check_number(value: Any, name: str, low: float, high: float = math.inf, *, l
 
 
 def check_float_params(params: Any, arg_name: str = "params") -> None:
-    """Parameters must be float32 or float64 arrays: integer ones have no gradient, and the
-    curvature's factorisations (eigh, Cholesky) have no bfloat16/float16 kernels."""
+    """Parameters must be real floating-point arrays (bfloat16, float16, float32 or float64).
+
+    Integer and boolean leaves have no gradient to precondition; complex ones are refused
+    because the curvature blocks are real symmetric matrices (their factors, eigenvalues and
+    damping assume real parameters). Half-precision parameters train with float32 curvature
+    statistics by default (see ``at_least_float32``).
+    """
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     if not leaves:
         raise ValueError(f"`{arg_name}` has no array leaves.")
     for path, leaf in leaves:
         where = f"`{arg_name}`{jax.tree_util.keystr(path)}"
         dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"{where} has dtype {dtype}; curvax needs floating-point parameters.")
-        if jnp.finfo(dtype).bits < 32:
+        if jnp.issubdtype(dtype, jnp.complexfloating):
             raise TypeError(
-                f"{where} has dtype {dtype}: half-precision parameters are not supported (the curvature's "
-                "factorisations need float32). Keep float32 parameters and cast to "
-                f"{dtype} inside the loss function (mixed precision)."
+                f"{where} has dtype {dtype}: complex parameters are not supported, because the curvature "
+                "blocks are real symmetric matrices (Fisher/GGN factors of real parameters). Split it into "
+                "real and imaginary float parameters."
             )
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"{where} has dtype {dtype}: curvax needs floating-point parameters, because an integer or "
+                "boolean leaf has no gradient to precondition. Move it out of the parameters (into the batch "
+                "or the function's state)."
+            )
+
+
+def at_least_float32(dtype: Any) -> Any:
+    """``dtype`` promoted to at least float32: bfloat16 and float16 give float32, wider dtypes
+    stay as they are. The default dtype of curvature statistics: sums of outer products in
+    half precision would keep only 8 (bfloat16) or 11 (float16) bits, and the factorisations
+    (eigh, Cholesky) have no half-precision kernels."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def check_curvature_dtype(value: Any, name: str) -> Any:
+    """``value`` (None, ``jnp.float32``/``"float32"`` or float64) as a numpy dtype, or None.
+
+    The dtypes of curvature statistics and of their decompositions must be float32 or float64:
+    half precision is refused (no eigh/Cholesky kernels, and sums of outer products would lose
+    their low bits), and float64 only with ``jax_enable_x64`` (JAX would silently give float32).
+    """
+    if value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in ("float32", "float64"):
+        raise ValueError(
+            f"`{name}` must be None (float32 for half-precision parameters, the parameters' dtype "
+            f"otherwise), float32 or float64, got {value!r}. Half precision is not accepted: the "
+            "decompositions (eigh, Cholesky) need float32 or float64."
+        )
+    if dtype == jnp.float64 and jax.dtypes.canonicalize_dtype(jnp.float64) != jnp.float64:
+        raise ValueError(
+            f"`{name}`=float64 needs 64-bit JAX: set jax.config.update('jax_enable_x64', True) before "
+            "building the optimizer (JAX would silently compute in float32 otherwise)."
+        )
+    return dtype
 
 
 def check_rng(rng: Any, name: str = "rng") -> None:

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from curvax import utils
+
 Array = jax.Array
 
 DENSE_FALLBACK_LIMIT = 4096
@@ -161,7 +163,9 @@ class ParameterSpace:
 
     @property
     def dtype(self) -> Any:
-        return jnp.result_type(*self.dtypes)
+        """The dtype of flat vectors and dense matrices: the parameters' common dtype, at least
+        float32 (a bfloat16 or float16 model's curvature is float32)."""
+        return utils.at_least_float32(jnp.result_type(*self.dtypes))
 
     def template(self) -> Any:
         """The parameters as ``jax.ShapeDtypeStruct`` leaves."""

@@ -216,7 +216,7 @@ def kfac(
     loss_fn: Callable[..., Any], params: Any, data: Any, fisher_type: Any = FisherType.MC, mc_samples: int = 1,
     kfac_approx: Any = KFACType.EXPAND, separate_weight_and_bias: bool = True, rng: Any = None,
     num_data: int | None = None, batch_size_extractor: Callable[[Any], int] | None = None,
-    layer_tag_to_block_ctor: dict[str, Any] | None = None,
+    layer_tag_to_block_ctor: dict[str, Any] | None = None, curvature_dtype: Any = None,
 ) -> CurvatureOperator:
     """The K-FAC operator of the mean loss over ``data``, with curvlinops' ``KFACLinearOperator`` options.
 
@@ -229,6 +229,8 @@ def kfac(
     ``sum_i B_i / num_data``. ``rng`` (a ``jax.random`` key; default ``PRNGKey(0)``) draws the
     MC targets. ``layer_tag_to_block_ctor`` entries override the option's blocks per tag.
     Returns ``from_estimator(estimator, state)`` (``K.estimator``, ``K.state`` hold both).
+    ``curvature_dtype`` (float32 or float64) is the factors' dtype; by default the parameters'
+    dtype, at least float32 (a bfloat16 model's factors are float32).
 
     EKFAC: with an eigenvalue-corrected block for a tag (``layer_tag_to_block_ctor={"dense":
     curvax.DenseEigenvalueCorrected}``), the data are read twice, as curvlinops'
@@ -249,7 +251,7 @@ def kfac(
     sizes = [int(extract(b)) for b in batches]
     rng = jax.random.PRNGKey(0) if rng is None else rng
     mode = FISHER_TO_ESTIMATION_MODE[ftype]
-    est = BlockDiagonalCurvature(loss_fn, layer_tag_to_block_ctor=ctors)
+    est = BlockDiagonalCurvature(loss_fn, layer_tag_to_block_ctor=ctors, curvature_dtype=curvature_dtype)
     state = est.init(rng, (params, batches[0]), None, None)
 
     @functools.partial(jax.jit, static_argnums=(2,))

@@ -49,7 +49,7 @@ def exact_quad_model(
             total = 0.0
             for li, loss in enumerate(losses):
                 prod = getattr(loss, f"multiply_{kind}")(jvs[j][li])
-                total = total + sum(jnp.sum(a * b) for a, b in zip(jvs[i][li], prod))
+                total = total + sum(jnp.sum(utils.widen_half(a) * utils.widen_half(b)) for a, b in zip(jvs[i][li], prod))
             row.append(total / batch_size)
         rows.append(row)
     a = jnp.array(rows)

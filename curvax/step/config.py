@@ -288,6 +288,8 @@ def estimator_from_args(args: Mapping[str, Any], value_func: Callable[..., Any])
         layer_tag_to_block_ctor=args["layer_tag_to_block_ctor"],
         register_only_generic=args["register_only_generic"],
         patterns_to_skip=tuple(args["patterns_to_skip"]),
+        curvature_dtype=args["curvature_dtype"],
+        inverse_dtype=args["inverse_dtype"],
         **auto_kwargs,
     )
 

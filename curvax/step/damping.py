@@ -57,7 +57,7 @@ def due(cfg: StepConfig, step_counter: jax.Array) -> jax.Array:
 
 def levenberg_marquardt(cfg: StepConfig, damping: jax.Array, new_loss: jax.Array, loss: jax.Array, quad_change: jax.Array) -> DampingUpdate:
     """The adapted damping from the reduction ratio ``(new_loss - loss) / quad_change``."""
-    rho = (new_loss - loss) / quad_change
+    rho = (utils.widen_half(new_loss) - utils.widen_half(loss)) / quad_change
     rho = jnp.where(jnp.isfinite(rho), rho, -100.0)
     factor = decay_factor(cfg)
     lower, upper = cfg.lower_threshold, cfg.upper_threshold

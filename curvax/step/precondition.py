@@ -54,4 +54,7 @@ def constrain_norm(
         scaled_sq = scale**2 * scaled_sq
     denominator = scaled_sq if floor is None else jnp.maximum(scaled_sq, floor)
     factor = jnp.minimum(1.0, jnp.sqrt(constraint / denominator))
-    return utils.scalar_mul(precon, factor), scaled_sq
+    # Half-precision leaves keep their dtype (the float32 factor would promote them to float32).
+    half = lambda y: utils.widen_half(y) is not y
+    scaled = jax.tree_util.tree_map(lambda x, y: x.astype(y.dtype) if half(y) else x, utils.scalar_mul(precon, factor), precon)
+    return scaled, scaled_sq
