@@ -134,10 +134,8 @@ def kfac_preconditioner(
         its layers are found as by ``curvax.Optimizer``. Only the registrations matter: the
         returned value may be anything.
       example_batch: a batch of the shapes ``update`` will see, for ``init`` to trace the model.
-      damping: added, with ``l2_reg``, to the curvature before inverting it; a float or a
-        schedule ``count -> damping``. A float must be >= 0, and may be 0 only with
-        ``l2_reg > 0`` (an undamped inverse is singular for most batches: every update
-        would be zeroed).
+      damping: added, with ``l2_reg``, to the curvature before inverting it; a float (>= 0;
+        0 only with ``l2_reg > 0``: undamped inverses are singular) or ``count -> damping``.
       l2_reg: the coefficient of an L2 term ``l2_reg/2 * |params|^2`` the user's objective
         contains, added with ``damping`` to the curvature's diagonal (the gradient must already
         include the term: this transformation does not add it). Non-negative; default 0.
@@ -153,14 +151,11 @@ def kfac_preconditioner(
         Default: the leading size of the batch's first leaf.
       seed: the integer seed of the first PRNG key of the sampled estimation modes (e.g.
         ``fisher_gradients``); ``update`` may also be given ``rng=`` instead. Default 0.
-      mesh: the ``jax.sharding.Mesh`` the parameters are replicated on (the batch sharded
-        over it), if any. With a mesh of several devices each device refreshes the inverses
-        of its share of the blocks and preconditions their gradients, and one ``all_gather``
-        shares the results (``curvax.distributed``): the same numbers as without, 1/N of the
-        work per device. Default None: every device does all of it.
-      curvature_dtype: the dtype of the curvature statistics, float32 or float64. Default
-        None: the parameters' dtype promoted to at least float32 (bfloat16 and float16
-        parameters get float32 statistics; the updates come back in each parameter's dtype).
+      mesh: the ``jax.sharding.Mesh`` the parameters are replicated on, if any: each of its
+        devices then refreshes and applies ~1/N of the blocks (``curvax.distributed``), the
+        same numbers as without. Default None.
+      curvature_dtype: the statistics' dtype, float32 or float64. Default None: the
+        parameters' promoted to at least float32 (updates keep each parameter's dtype).
       inverse_dtype: the dtype of the damped inverses and their decompositions, float32 or
         float64. Default None: ``curvature_dtype``'s.
 
@@ -181,9 +176,7 @@ def kfac_preconditioner(
         loss_fn, params_index=0, default_estimation_mode=estimation_mode, layer_tag_to_block_ctor=layer_tag_to_block_ctor,
         curvature_dtype=curvature_dtype, inverse_dtype=inverse_dtype,
     )
-    example = _BatchSpec(example_batch)
-    params_spec = _ParamsSpec()
-    split = _split_over(mesh)
+    example, params_spec, split = _BatchSpec(example_batch), _ParamsSpec(), _split_over(mesh)
 
     def init_fn(params: Any) -> KFACPreconditionerState:
         utils.check_float_params(params)
@@ -204,8 +197,7 @@ def kfac_preconditioner(
         key = state.rng_key
         if rng is None:
             key, rng = jax.random.split(key)
-        # The phases of curvax.step: statistics (non-finite batches dropped and counted), the
-        # periodic refresh of the approximate inverses, the product, the guard.
+        # curvax.step's phases: statistics (non-finite ones dropped), refresh, product, guard.
         est_state, skipped = statistics.update_from_args(
             estimator, state.estimator_state, curvature_ema, 1.0, batch_size_extractor(batch), rng, (params, batch)
         )
