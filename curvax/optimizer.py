@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from curvax import _compat, estimators, parallel, utils
+from curvax import _compat, estimators, parallel, partitioned, utils
 from curvax.step import coefficients as _coefficients
 from curvax.step import config as _config
 from curvax.step import damping as _damping
@@ -316,6 +316,12 @@ class Optimizer:
         == phase_i`` (``estimator.refresh_phases``, phases balanced by factor size), so no step
         pays for all inverses. Needs ``inverse_update_period > 1``. Default False (kfac-jax's
         schedule).
+      factor_budget: ours. Bytes per Kronecker factor: a dense layer with a larger factor (a
+        language-model head's ``vocab x vocab`` one) gets a ``curvax.DensePartitionedKroneckerFactored``
+        block, only that factor split into diagonal blocks (``registration_table`` says why). None
+        disables it. Default ``curvax.DEFAULT_FACTOR_BUDGET`` (256 MiB: float32, side 8192).
+      oversized_factor: ours. An over-budget factor becomes: ``"partition"`` (the largest blocks
+        fitting the budget), ``"diagonal"``, or an int: blocks of at most that side. Default ``"partition"``.
 
     Raises:
       ValueError, TypeError: for contradictory or out-of-range arguments, naming the argument
@@ -389,6 +395,8 @@ class Optimizer:
         precon_power: Any = -1.0,
         exact_quad_model_matrix_type: str | None = None,
         inverse_update_staggered: bool = False,
+        factor_budget: int | None = partitioned.DEFAULT_FACTOR_BUDGET,
+        oversized_factor: str | int = "partition",
     ):
         """Checks the arguments and builds the (not yet traced) curvature estimator.
 
@@ -409,10 +417,8 @@ class Optimizer:
         self._axis: str | None = pmap_axis_name if self._multi_device else None
         self._pmap_axis_name = pmap_axis_name
         self._debug = bool(debug)
-        self.distributed_precon_apply = distributed_precon_apply
-        self.distributed_inverses = distributed_inverses
-        self._burnin_warned = False
-        self._report = _guard.Reporter()
+        self.distributed_precon_apply, self.distributed_inverses = distributed_precon_apply, distributed_inverses
+        self._burnin_warned, self._report = False, _guard.Reporter()
         self.trace_count = 0  # how many times the step function was traced (compiled)
         self._estimator = _config.estimator_from_args(args, self._func.value)
         self._program = StepProgram(
