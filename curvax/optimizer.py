@@ -582,7 +582,8 @@ class Optimizer:
         return self._gradient_proof.reason
 
     def registration_table(self) -> str:
-        """The parameter → layer → block table (available after ``init``)."""
+        """The parameter → layer → block table (available after ``init``); a layer whose factor
+        exceeds ``factor_budget`` says how it is partitioned and why."""
         if self._params_spec is None:
             raise RuntimeError("Call `init` first.")
         return self._registration_table

@@ -121,6 +121,7 @@ class FactorLayout:
 
     @functools.cached_property
     def groups(self) -> tuple[tuple[int, int, int], ...]:
+        """``(start, count, size)`` per run of equal-sized blocks (see the class docstring)."""
         k = -(-self.side // min(self.max_block, self.side))
         q, r = divmod(self.side, k)
         out = []
@@ -132,18 +133,22 @@ class FactorLayout:
 
     @property
     def num_blocks(self) -> int:
+        """How many diagonal blocks."""
         return sum(c for _, c, _ in self.groups)
 
     @property
     def largest(self) -> int:
+        """The largest block side."""
         return max(b for _, _, b in self.groups)
 
     @property
     def is_whole(self) -> bool:
+        """Whether the factor is one block (kept whole)."""
         return self.num_blocks == 1
 
     @property
     def is_diagonal(self) -> bool:
+        """Whether every block has side 1 (only the diagonal is kept)."""
         return self.largest == 1
 
     def nbytes(self, itemsize: int) -> int:
@@ -151,6 +156,7 @@ class FactorLayout:
         return sum(c * b * b for _, c, b in self.groups) * itemsize
 
     def describe(self) -> str:
+        """``"whole"``, ``"diagonal"`` or ``"k blocks of <= b"``."""
         if self.is_whole:
             return "whole"
         if self.is_diagonal:

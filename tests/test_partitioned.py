@@ -155,14 +155,18 @@ def _pair(layout, bias, extra, bi, bo, d_in=5, d_out=7, batch=6):
 @pytest.mark.parametrize("layout,bias,extra,bi,bo", CASES)
 def test_factors_are_the_diagonal_blocks_of_the_plain_factors(layout, bias, extra, bi, bo):
     plain, part, datas, batch = _pair(layout, bias, extra, bi, bo)
-    a, g = _factors(updated_state(plain, datas, batch))
-    state = updated_state(part, datas, batch)
-    got_a = partitioned._to_dense(tuple(f.value for f in state.inputs_factor))
-    got_g = partitioned._to_dense(tuple(f.value for f in state.outputs_factor))
+
+    @jax.jit
+    def run(datas):
+        sp, sq = updated_state(plain, datas, batch), updated_state(part, datas, batch)
+        return sp, [partitioned._to_dense(tuple(f.value for f in fs)) for fs in (sq.inputs_factor, sq.outputs_factor)], part.to_dense_matrix(sq)
+
+    sp, (got_a, got_g), dense = run(datas)
+    a, g = _factors(sp)
     np.testing.assert_allclose(got_a, a * _mask(len(a), bi), atol=1e-13)
     np.testing.assert_allclose(got_g, g * _mask(len(g), bo), atol=1e-13)
     # The dense matrix is (blockdiag A) (x) (blockdiag G), acting on the parameters.
-    dense = np.asarray(part.to_dense_matrix(state))
+    dense = np.asarray(dense)
     v = random_vector(part)
     want = (a * _mask(len(a), bi)) @ np.asarray(to_v(v, layout, bias)) @ (g * _mask(len(g), bo))
     np.testing.assert_allclose(dense @ np.asarray(flat(v)), _vec_to_params(part, want.ravel(), layout, bias), atol=1e-12)
@@ -172,7 +176,7 @@ def test_factors_are_the_diagonal_blocks_of_the_plain_factors(layout, bias, extr
 @pytest.mark.parametrize("layout,bias,extra,bi,bo", CASES)
 def test_products_match_the_dense_block_diagonal_kronecker_product(layout, bias, extra, bi, bo):
     plain, part, datas, batch = _pair(layout, bias, extra, bi, bo)
-    a, g = _factors(updated_state(plain, datas, batch))
+    a, g = _factors(jax.jit(lambda d: updated_state(plain, d, batch))(datas))
     a_b, g_b = a * _mask(len(a), bi), g * _mask(len(g), bo)
     perm = lambda m: np.stack([_vec_to_params(part, c, layout, bias) for c in np.stack([_vec_to_params(part, r, layout, bias) for r in m]).T])
     dense = perm(np.kron(a_b, g_b))  # rows and columns in parameter order
@@ -217,6 +221,16 @@ def test_products_match_the_dense_block_diagonal_kronecker_product(layout, bias,
     for got in out["eigenvalues"]:
         np.testing.assert_allclose(np.sort(got), np.linalg.eigvalsh(dense), atol=1e-12)
     np.testing.assert_allclose(flat(out["inverse_diagonal"]), np.diag(np.linalg.inv(dense + LAM * eye)), rtol=1e-9)
+
+
+@pytest.mark.usefixtures("x64")
+def test_forward_only_mode_makes_the_partitioned_outputs_factor_the_identity():
+    plain, part, datas, batch = _pair("io", True, (), 4, 3)
+    state = jax.jit(lambda d: updated_state(part, d, batch))(datas)
+    foof = estimators._forward_only_state(part, state)  # what estimation_mode="forward_only" applies
+    np.testing.assert_array_equal(partitioned._to_dense(tuple(f.value for f in foof.outputs_factor)), np.eye(7))
+    for new, old in zip(foof.inputs_factor, state.inputs_factor):
+        np.testing.assert_array_equal(new.value, old.value)
 
 
 @pytest.mark.usefixtures("x64")
@@ -326,7 +340,7 @@ def test_registration_table_names_partitioned_layers_and_why():
     assert est.block_notes[0] is None and est.block_notes[1].startswith("outputs factor 30\u00b2 x 4 B = 3.52 KiB > budget 1000 B, kept whole")
 
 
-def _train(opt, params, batch, steps=6):
+def _train(opt, params, batch, steps=4):
     state = opt.init(params, jax.random.PRNGKey(1), batch)
     losses = []
     for i in range(steps):
@@ -342,15 +356,12 @@ def test_optimizer_with_a_tiny_budget_trains_and_matches_the_explicit_choice():
     auto = curvax.Optimizer(jax.value_and_grad(loss), factor_budget=500, **kw)  # G of layer 1: 3600 B > 500
     auto_losses = _train(auto, params, batch)
     assert np.all(np.isfinite(auto_losses)) and auto_losses[-1] < auto_losses[0]
-    assert isinstance(auto._estimator.blocks[1], DensePartitionedKroneckerFactored)
+    assert [type(b) for b in auto._estimator.blocks] == [blocks.DenseTwoKroneckerFactored, DensePartitionedKroneckerFactored]
     explicit = curvax.Optimizer(
         jax.value_and_grad(loss), factor_budget=None,
         layer_tag_to_block_ctor={"dense": functools.partial(DensePartitionedKroneckerFactored, factor_budget=500)}, **kw,
     )
     np.testing.assert_allclose(_train(explicit, params, batch), auto_losses, rtol=1e-5)
-    # The plain blocks give another trajectory (the partition changes the preconditioner).
-    plain = _train(curvax.Optimizer(jax.value_and_grad(loss), factor_budget=None, **kw), params, batch)
-    assert not np.allclose(plain[1:], auto_losses[1:], rtol=1e-6)
 
 
 @pytest.mark.usefixtures("x64")
@@ -359,9 +370,10 @@ def test_operators_work_block_by_block_with_a_partitioned_block():
     params, batch = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64) if x.dtype == jnp.float32 else x, (params, batch))
     est = estimators.BlockDiagonalCurvature(loss, factor_budget=8 * 30 * 8)  # float64: G in blocks of <= 8
     state = est.init(jax.random.PRNGKey(0), (params, batch))
-    state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, BATCH, jax.random.PRNGKey(1), (params, batch))
+    update = lambda s, args: est.update_curvature_matrix_estimate(s, 0.0, 1.0, BATCH, jax.random.PRNGKey(1), args)
+    state = jax.jit(update)(state, (params, batch))
     assert isinstance(est.blocks[1], DensePartitionedKroneckerFactored) and est.blocks[1].outputs_layout.num_blocks == 4
-    dense = np.asarray(est.to_dense_matrix(state))
+    dense = np.asarray(jax.jit(est.to_dense_matrix)(state))
     K = ops.from_estimator(est, state)
     np.testing.assert_allclose(K.to_dense(), dense, atol=1e-12)
     eye = np.eye(len(dense))
@@ -369,7 +381,6 @@ def test_operators_work_block_by_block_with_a_partitioned_block():
     np.testing.assert_allclose(K.inverse(LAM) @ jnp.asarray(v), np.linalg.solve(dense + LAM * eye, v), rtol=1e-8)
     np.testing.assert_allclose(K.trace(), np.trace(dense), rtol=1e-10)
     np.testing.assert_allclose(K.logdet(LAM), np.linalg.slogdet(dense + LAM * eye)[1], rtol=1e-10)
-    np.testing.assert_allclose(K.eigenvalues(), np.linalg.eigvalsh(dense), atol=1e-10)
     np.testing.assert_allclose(K.inverse(LAM).diagonal(), np.diag(np.linalg.inv(dense + LAM * eye)), rtol=1e-8)
     # The factored (approximate) inverse inverts a partitioned block exactly, like other non-Kronecker blocks.
     approx = K.inverse(LAM, exact=False) @ jnp.asarray(v)
