@@ -184,7 +184,7 @@ def plan_factor(side: int, itemsize: int, factor_budget: int | None, oversized: 
     layout = FactorLayout(side, block)
     why = f"{side}\u00b2 x {itemsize} B = {format_bytes(full)} > budget {format_bytes(factor_budget)}: "
     if layout.is_diagonal:
-        why += f"diagonal ({format_bytes(side * itemsize)})"
+        why += f"diagonal ({format_bytes(side * itemsize)}{', still over the budget' if side * itemsize > factor_budget else ''})"
     elif layout.is_whole:
         why += f"kept whole (oversized_factor={oversized!r})"
     else:
