@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tags and losses", ("curvax.tags", "curvax.losses")),
     ("tracing", ("curvax.tracing",)),
     ("detection", ("curvax.detection", "curvax.transforms", "curvax.patterns")),
-    ("blocks", ("curvax.blocks", "curvax.stacked", "curvax.layers")),
+    ("blocks", ("curvax.blocks", "curvax.stacked", "curvax.layers", "curvax.partitioned")),
     ("estimators", ("curvax.distributed", "curvax.estimators")),
     ("optimizer, preconditioner, operators, laplace", (
         "curvax.gradients", "curvax.step", "curvax.optimizer", "curvax.preconditioner",

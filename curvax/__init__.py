@@ -89,6 +89,7 @@ from curvax.layers.conv import (
     register_conv3d,
 )
 from curvax.layers.embedding import EmbeddingKroneckerFactored, register_embedding
+from curvax.partitioned import DEFAULT_FACTOR_BUDGET, DensePartitionedKroneckerFactored
 from curvax.layers.scale_and_shift import ScaleAndShiftDiagonal, ScaleAndShiftFull, register_scale_and_shift
 from curvax.tags import LayerTag, LayerTagEqn, LossTag, register_dense, register_generic
 from curvax.transforms import (
@@ -179,6 +180,8 @@ __all__ = [
     "register_conv2d",
     "register_conv3d",
     "EmbeddingKroneckerFactored",
+    "DensePartitionedKroneckerFactored",
+    "DEFAULT_FACTOR_BUDGET",
     "register_embedding",
     "ScaleAndShiftDiagonal",
     "ScaleAndShiftFull",

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from curvax import blocks as blocks_lib
-from curvax import _generations, distributed, tags, utils
-from curvax.stacked import StackedBlock
+from curvax import _generations, distributed, partitioned, tags, utils
+from curvax.stacked import StackedBlock, slice_tag_eqn
 from curvax.transforms import ProcessedJaxpr, _Cache, assemble_layer_data, zero_tangents
 
 ESTIMATION_MODES = (
@@ -202,6 +202,8 @@ def _refresh_cost(block: Any) -> int:
         return block.length * _refresh_cost(block.inner)
     if isinstance(block, blocks_lib.TwoKroneckerFactored):
         return int(block.input_size()) ** 3 + int(block.output_size()) ** 3
+    if isinstance(block, partitioned.DensePartitionedKroneckerFactored):
+        return block.refresh_cost()
     if isinstance(block, blocks_lib.Full):
         return int(block.dim) ** 3
     return int(block.dim)
@@ -215,6 +217,8 @@ def _apply_cost(block: Any) -> int:
     if isinstance(block, blocks_lib.TwoKroneckerFactored):
         di, do = int(block.input_size()), int(block.output_size())
         return di * do * (di + do)
+    if isinstance(block, partitioned.DensePartitionedKroneckerFactored):
+        return block.apply_cost()
     return int(block.dim) ** 2 if isinstance(block, blocks_lib.Full) else int(block.dim)
 
 
@@ -230,6 +234,37 @@ def _update_block(block: Any, state: Any, data: Any, ema_old: Any, ema_new: Any,
             pmap_axis_name=pmap_axis_name, identity_weight=identity_weight,
         )
     )
+
+
+def _forward_only_state(block: Any, state: Any) -> Any:
+    """FOOF: the gradient factor of a Kronecker block is the identity."""
+    if isinstance(block, StackedBlock):
+        return jax.vmap(lambda s: _forward_only_state(block.inner, s))(state)
+    if isinstance(block, partitioned.DensePartitionedKroneckerFactored):
+        return block.forward_only_state(state)
+    if isinstance(block, blocks_lib.TwoKroneckerFactored):
+        state = jax.tree_util.tree_map(lambda x: x, state)
+        state.outputs_factor.value = jnp.eye(state.outputs_factor.value.shape[0], dtype=state.outputs_factor.value.dtype)
+        return state
+    if isinstance(block, blocks_lib.Diagonal) and block.layer_tag_primitive is tags.generic:
+        return state  # no curvature information without a backward pass: zero statistics
+    raise ValueError(
+        f"estimation_mode='forward_only' needs Kronecker-factored blocks (or generic diagonal ones), but "
+        f"{block.name} uses {type(block).__name__}; choose another block with `layer_tag_to_block_ctor` "
+        "or another estimation mode."
+    )
+
+
+def _site_block(site: Any, eqn: tags.LayerTagEqn, ctor: Callable[..., Any], budget: int | None, oversized: Any) -> tuple[Any, str | None]:
+    """One layer's block (a ``StackedBlock`` for a stacked scan) under the factor budget, and the
+    registration table's note on it (``partitioned.budget_note``)."""
+    stacked = site.scan is not None and site.scan.mode == "stacked"
+    ctor = partitioned.ctor_within_budget(ctor, slice_tag_eqn(eqn) if stacked else eqn, site.name, budget, oversized)
+    if stacked:
+        block = StackedBlock.from_ctor(ctor, eqn, site.name)  # one block per stacked layer
+        return block, partitioned.budget_note(block.inner, budget)
+    block = blocks_lib.construct_block(ctor, eqn, site.name)
+    return block, partitioned.budget_note(block, budget)
 
 
 StateType = TypeVar("StateType")
@@ -408,6 +443,11 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         dtype, at least float32 (bfloat16 and float16 models get float32 statistics).
       inverse_dtype: the dtype of the cached decompositions (eigh, Cholesky, inverses), float32
         or float64. Default None: ``curvature_dtype``'s.
+      factor_budget: bytes per Kronecker factor: a dense layer whose default block has a larger
+        factor gets a ``DensePartitionedKroneckerFactored``, only that factor split into diagonal
+        blocks (``block_notes`` says why). None disables it. Default ``DEFAULT_FACTOR_BUDGET`` (256 MiB).
+      oversized_factor: an over-budget factor becomes ``"partition"`` (the largest blocks fitting
+        the budget), ``"diagonal"``, or an int: blocks of at most that side. Default ``"partition"``.
       auto_register_kwargs: further options of the layer detection: ``register_only_generic``
         (generic blocks for everything not registered by hand), ``patterns_to_skip`` (pattern
         names not to match, see ``curvax.detection.known_pattern_names()``) and
@@ -428,11 +468,16 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         distributed_multiplies: bool = True,
         distributed_cache_updates: bool = True,
         curvature_dtype: Any = None, inverse_dtype: Any = None,
+        factor_budget: int | None = partitioned.DEFAULT_FACTOR_BUDGET,
+        oversized_factor: str | int = "partition",
         **auto_register_kwargs: Any,
     ):
         super().__init__(func, params_index, default_estimation_mode)
         self.curvature_dtype = utils.check_curvature_dtype(curvature_dtype, "curvature_dtype")
         self.inverse_dtype = utils.check_curvature_dtype(inverse_dtype, "inverse_dtype")
+        self._factor_budget = partitioned.check_factor_budget(factor_budget)
+        self._oversized_factor = partitioned.check_oversized_factor(oversized_factor)
+        self._block_notes: tuple[str | None, ...] = ()
         self._layer_tag_to_block_ctor = dict(layer_tag_to_block_ctor or {})
         self._index_to_block_ctor = {tuple(k): v for k, v in (index_to_block_ctor or {}).items()}
         self._cache = _Cache(func, params_index, auto_register_tags=auto_register_tags, **auto_register_kwargs)
@@ -456,18 +501,13 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         if self._blocks is not None:
             return
         self._pj = pj
-        blocks = []
+        built = []
         for site, eqn in zip(pj.layer_sites, pj.layer_tags):
             ctor = self._index_to_block_ctor.get(site.param_indices)
-            if ctor is None:
-                ctor = self.block_ctor_for(eqn)
-            if site.scan is not None and site.scan.mode == "stacked":
-                blocks.append(StackedBlock.from_ctor(ctor, eqn, site.name))  # one block per stacked layer
-            else:
-                blocks.append(blocks_lib.construct_block(ctor, eqn, site.name))
+            built.append(_site_block(site, eqn, ctor or self.block_ctor_for(eqn), self._factor_budget, self._oversized_factor))
             if self.curvature_dtype is not None or self.inverse_dtype is not None:
-                blocks[-1].set_dtypes(self.curvature_dtype, self.inverse_dtype)
-        self._blocks = tuple(blocks)
+                built[-1][0].set_dtypes(self.curvature_dtype, self.inverse_dtype)
+        self._blocks, self._block_notes = tuple(b for b, _ in built), tuple(n for _, n in built)
 
     def block_ctor_for(self, eqn: tags.LayerTagEqn) -> Callable[..., Any]:
         """The block constructor for a layer: by its variant (``eqn.variant``, e.g.
@@ -525,6 +565,13 @@ class BlockDiagonalCurvature(CurvatureEstimator):
     def blocks(self) -> tuple[Any, ...] | None:
         """The curvature blocks, one per layer tag, in tag order (``None`` before ``init``/``finalize``)."""
         return self._blocks
+
+    @property
+    def block_notes(self) -> tuple[str | None, ...]:
+        """Per block, why its Kronecker factors are partitioned or diagonal under ``factor_budget``
+        (or that a block chosen by the user exceeds it); None where nothing is to say."""
+        self._require_finalized()
+        return self._block_notes
 
     @property
     def num_blocks(self) -> int:
@@ -723,7 +770,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             raise ValueError(f"`batch_size` must be positive (an empty batch has no statistics), got {batch_size}.")
         if mode == "forward_only":
             new = self.update_blocks(state, data_for(None), ema_old, ema_new, batch_size, pmap_axis_name, identity_weight)
-            return BlockDiagonalState(tuple(self._forward_only(b, s) for b, s in zip(self._blocks, new.blocks_states)))  # type: ignore[arg-type]
+            return BlockDiagonalState(tuple(_forward_only_state(b, s) for b, s in zip(self._blocks, new.blocks_states)))  # type: ignore[arg-type]
         if mode.endswith("_exact"):
             total, cot_fn = exact_cotangent_fn(losses, mode)
 
@@ -734,23 +781,6 @@ class BlockDiagonalCurvature(CurvatureEstimator):
             return jax.lax.fori_loop(0, total, body, state)
         return self.update_blocks(
             state, data_for(loss_cotangents(losses, rng, mode)), ema_old, ema_new, batch_size, pmap_axis_name, identity_weight
-        )
-
-    @staticmethod
-    def _forward_only(block: Any, state: Any) -> Any:
-        """FOOF: the gradient factor of a Kronecker block is the identity."""
-        if isinstance(block, StackedBlock):
-            return jax.vmap(lambda s: BlockDiagonalCurvature._forward_only(block.inner, s))(state)
-        if isinstance(block, blocks_lib.TwoKroneckerFactored):
-            state = jax.tree_util.tree_map(lambda x: x, state)
-            state.outputs_factor.value = jnp.eye(state.outputs_factor.value.shape[0], dtype=state.outputs_factor.value.dtype)
-            return state
-        if isinstance(block, blocks_lib.Diagonal) and block.layer_tag_primitive is tags.generic:
-            return state  # no curvature information without a backward pass: zero statistics
-        raise ValueError(
-            f"estimation_mode='forward_only' needs Kronecker-factored blocks (or generic diagonal ones), but "
-            f"{block.name} uses {type(block).__name__}; choose another block with `layer_tag_to_block_ctor` "
-            "or another estimation mode."
         )
 
     def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues, pmap_axis_name=None, distribution=None, **kwargs: Any) -> BlockDiagonalState:
@@ -1078,6 +1108,7 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         )
         eqn = tags.LayerTagEqn(tags.generic, (), (), structs, tuple(range(pj.num_params)), {}, "Exact[all parameters]")
         self._blocks = (self._full_ctor(eqn, eqn.name),)
+        self._block_notes = (None,)
         self._all_indices = (tuple(range(pj.num_params)),)
 
     def params_vector_to_blocks_vectors(self, parameter_structured_vector: Any) -> tuple[tuple[jax.Array, ...], ...]:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from curvax import _compat, estimators, parallel, utils
+from curvax import _compat, estimators, parallel, partitioned, utils
 from curvax.step import coefficients as _coefficients
 from curvax.step import config as _config
 from curvax.step import damping as _damping
@@ -100,7 +100,7 @@ class Optimizer:
     - The curvature estimate: ``estimation_mode``, ``curvature_ema``,
       ``curvature_update_period``, ``curvature_batch_fraction``, ``num_burnin_steps``,
       ``inverse_update_period``, ``inverse_update_staggered``, ``use_exact_inverses``,
-      ``curvature_dtype``, ``inverse_dtype``.
+      ``curvature_dtype``, ``inverse_dtype``, ``factor_budget``, ``oversized_factor``.
     - Layer detection: ``use_automatic_registration``, ``register_only_generic``,
       ``patterns_to_skip``, ``auto_register_kwargs``, ``layer_tag_to_block_ctor``.
     - Devices and debugging: ``multi_device``, ``pmap_axis_name``, ``debug``,
@@ -192,6 +192,7 @@ class Optimizer:
         exact_quad_model_matrix_type: str | None = None,
         inverse_update_staggered: bool = False,
         curvature_dtype: Any = None, inverse_dtype: Any = None,
+        factor_budget: int | None = partitioned.DEFAULT_FACTOR_BUDGET, oversized_factor: str | int = "partition",
     ):
         """Checks the arguments and builds the (not yet traced) curvature estimator.
 
@@ -212,23 +213,27 @@ class Optimizer:
         self._axis: str | None = pmap_axis_name if self._multi_device else None
         self._pmap_axis_name = pmap_axis_name
         self._debug = bool(debug)
-        self.distributed_precon_apply = distributed_precon_apply
-        self.distributed_inverses = distributed_inverses
-        self._burnin_warned = False
-        self._report = _guard.Reporter()
+        self.distributed_precon_apply, self.distributed_inverses = distributed_precon_apply, distributed_inverses
+        self._burnin_warned, self._report = False, _guard.Reporter()
         self.trace_count = 0  # how many times the step function was traced (compiled)
         self._estimator = _config.estimator_from_args(args, self._func.value)
-        self._program = StepProgram(
-            self._config, self._func, self._estimator, batch_process_func, batch_size_extractor, self._axis,
-            bool(include_norms_in_stats), bool(include_per_param_norms_in_stats),
-        )
-        self._program.distribute = (bool(distributed_inverses), bool(distributed_precon_apply))
+        self._program = self._make_program(args)
         self._params_spec: Any = None
         self._state_spec: Any = None
         self._compile()
         self._forbid = bool(forbid_setting_attributes_after_finalize)
         self._modifiable = frozenset(modifiable_attribute_exceptions)
         self._finalized = True
+
+    def _make_program(self, args: dict[str, Any]) -> StepProgram:
+        """The step's phases (``curvax.step.program``) over this optimizer's function, estimator
+        and flags, with kfac-jax's distribution flags."""
+        program = StepProgram(
+            self._config, self._func, self._estimator, args["batch_process_func"], args["batch_size_extractor"],
+            self._axis, bool(args["include_norms_in_stats"]), bool(args["include_per_param_norms_in_stats"]),
+        )
+        program.distribute = (bool(args["distributed_inverses"]), bool(args["distributed_precon_apply"]))
+        return program
 
     def _compile(self) -> None:
         """Wraps init, burn-in and step in ``jax.jit`` (nothing with ``debug``) or, in the pmap
@@ -381,7 +386,8 @@ class Optimizer:
         return self._gradient_proof.reason
 
     def registration_table(self) -> str:
-        """The parameter → layer → block table (available after ``init``)."""
+        """The parameter → layer → block table (available after ``init``); a layer whose factor
+        exceeds ``factor_budget`` says how it is partitioned and why."""
         if self._params_spec is None:
             raise RuntimeError("Call `init` first.")
         return self._registration_table

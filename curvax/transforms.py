@@ -305,8 +305,11 @@ class ProcessedJaxpr:
 
     # --- reporting ----------------------------------------------------------------
 
-    def registration_table(self, params: Any, block_names: Sequence[str] | None = None) -> str:
-        """One line per layer: its parameters (by path), kind and block."""
+    def registration_table(
+        self, params: Any, block_names: Sequence[str] | None = None, block_notes: Sequence[str | None] | None = None
+    ) -> str:
+        """One line per layer: its parameters (by path), kind and block; ``block_notes[j]``, when
+        given and not None, is appended in brackets (e.g. why a factor is partitioned)."""
         paths = utils.param_paths(params)
         lines = ["Graph parameter registrations:"]
         for j, site in enumerate(self.layer_sites):
@@ -316,6 +319,8 @@ class ProcessedJaxpr:
             if site.pattern == "generic":
                 why = site.meta.get("fallback_reason", "no known layer pattern uses it")
                 flag = f"  [generic fallback: {why}]"
+            if block_notes and block_notes[j]:
+                flag += f"  [{block_notes[j]}]"
             lines.append(f"  {names:<40s} {site.name}{block}{flag}")
         if any(s.pattern == "generic" for s in self.layer_sites):
             lines.append(

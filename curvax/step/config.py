@@ -286,6 +286,8 @@ def estimator_from_args(args: Mapping[str, Any], value_func: Callable[..., Any])
         params_index=0,
         default_estimation_mode=args["estimation_mode"],
         layer_tag_to_block_ctor=args["layer_tag_to_block_ctor"],
+        factor_budget=args["factor_budget"],
+        oversized_factor=args["oversized_factor"],
         register_only_generic=args["register_only_generic"],
         patterns_to_skip=tuple(args["patterns_to_skip"]),
         curvature_dtype=args["curvature_dtype"],

@@ -143,7 +143,7 @@ class StepProgram:
             proof.reason,
         )
         names = [type(b).__name__ for b in self.estimator.blocks]
-        table = pj.registration_table(params, names)
+        table = pj.registration_table(params, names, getattr(self.estimator, "block_notes", None))
         has_generic = any(s.pattern == "generic" for s in pj.layer_sites)
         logger.log(logging.WARNING if has_generic else logging.INFO, "\n%s", table)
         self.state_shardings = self.state_shardings_for(params)
