@@ -267,6 +267,23 @@ def _site_block(site: Any, eqn: tags.LayerTagEqn, ctor: Callable[..., Any], budg
     return block, partitioned.budget_note(block, budget)
 
 
+def _traced_or_error(est: Any, func_args: Sequence[Any]) -> Any:
+    """``est.processed_jaxpr_for(func_args)``; once the blocks exist, a failed trace (arguments
+    shaped unlike those the blocks were built from) is a ``ValueError`` saying so."""
+    finalized = est._blocks is not None
+    try:
+        return est.processed_jaxpr_for(func_args)
+    except Exception as e:
+        if not finalized:
+            raise  # the first trace: the user's function's own error
+        shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(func_args)]
+        raise ValueError(
+            f"Tracing the function on `func_args` (leaf shapes {shapes}) failed ({type(e).__name__}: {e}); "
+            "the blocks were built from arguments of other shapes. Pass arguments shaped like those given "
+            "to `init`/`finalize` (the batch size may differ)."
+        ) from e
+
+
 StateType = TypeVar("StateType")
 """An estimator's state type (``CurvatureEstimator[StateType]``, as in kfac-jax)."""
 
@@ -737,18 +754,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         Returns:
           The updated ``BlockDiagonalState``.
         """
-        finalized = self._blocks is not None
-        try:
-            pj = self.processed_jaxpr_for(func_args)
-        except Exception as e:
-            if not finalized:
-                raise  # the first trace: the user's function's own error
-            shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(func_args)]
-            raise ValueError(
-                f"Tracing the function on `func_args` (leaf shapes {shapes}) failed ({type(e).__name__}: {e}); "
-                "the blocks were built from arguments of other shapes. Pass arguments shaped like those given "
-                "to `init`/`finalize` (the batch size may differ)."
-            ) from e
+        pj = _traced_or_error(self, func_args)
         self._check_state(state)
         mode = check_estimation_mode(estimation_mode or self.default_estimation_mode)
         p, o = pj.split_args(func_args)  # type: ignore[union-attr]

@@ -144,7 +144,7 @@ CASES = [  # layout, bias, extra axes, inputs block, outputs block
 
 
 def _pair(layout, bias, extra, bi, bo, d_in=5, d_out=7, batch=6):
-    eqn = dense_eqn(d_in, d_out, bias, layout, batch, extra)
+    eqn = dense_eqn(d_in, d_out, batch=batch, extra=extra, bias=bias, layout=layout)
     datas = [dense_data(s, d_in, d_out, bias, layout, batch, extra)[0] for s in (11, 12)]
     plain = blocks.DenseTwoKroneckerFactored(eqn, "l")
     part = DensePartitionedKroneckerFactored(eqn, "l", inputs_block_size=bi, outputs_block_size=bo)
