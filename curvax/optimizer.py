@@ -320,6 +320,14 @@ class Optimizer:
         == phase_i`` (``estimator.refresh_phases``, phases balanced by factor size), so no step
         pays for all inverses. Needs ``inverse_update_period > 1``. Default False (kfac-jax's
         schedule).
+      shard_curvature_state: ours. With parameters on a ``jax.sharding`` mesh of several
+        devices, True splits the curvature state (Kronecker factors, cached inverses and
+        eigenbases) over the mesh: every matrix of at least ``curvax.parallel.SHARD_MIN_ELEMENTS``
+        elements along one axis a mesh size divides (``curvax.parallel.split_spec``), so each
+        device stores ~1/N of it; XLA gathers what a computation needs. The numbers are those of
+        one device. False replicates it on every device. None (default): split exactly when
+        some parameter is sharded (FSDP-style), replicated otherwise. No effect on one device or
+        under ``multi_device``.
 
     Raises:
       ValueError, TypeError: for contradictory or out-of-range arguments, naming the argument
@@ -393,6 +401,7 @@ class Optimizer:
         precon_power: Any = -1.0,
         exact_quad_model_matrix_type: str | None = None,
         inverse_update_staggered: bool = False,
+        shard_curvature_state: bool | None = None,
     ):
         """Checks the arguments and builds the (not yet traced) curvature estimator.
 
@@ -424,6 +433,9 @@ class Optimizer:
             bool(include_norms_in_stats), bool(include_per_param_norms_in_stats),
         )
         self._program.distribute = (bool(distributed_inverses), bool(distributed_precon_apply))
+        if shard_curvature_state is not None and not isinstance(shard_curvature_state, bool):
+            raise TypeError(f"`shard_curvature_state` must be True, False or None, got {shard_curvature_state!r}.")
+        self._program.shard_curvature_state = shard_curvature_state
         self._params_spec: Any = None
         self._state_spec: Any = None
         self._compile()
