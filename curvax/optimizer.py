@@ -104,7 +104,7 @@ class Optimizer:
     - Layer detection: ``use_automatic_registration``, ``register_only_generic``,
       ``patterns_to_skip``, ``auto_register_kwargs``, ``layer_tag_to_block_ctor``.
     - Devices and debugging: ``multi_device``, ``pmap_axis_name``, ``debug``,
-      ``distributed_precon_apply``, ``distributed_inverses``.
+      ``distributed_precon_apply``, ``distributed_inverses``, ``shard_curvature_state``.
     - Statistics and attributes: ``include_norms_in_stats``,
       ``include_per_param_norms_in_stats``, ``invalid_metric_value``,
       ``forbid_setting_attributes_after_finalize``, ``modifiable_attribute_exceptions``.
@@ -193,6 +193,7 @@ class Optimizer:
         inverse_update_staggered: bool = False,
         curvature_dtype: Any = None, inverse_dtype: Any = None,
         factor_budget: int | None = partitioned.DEFAULT_FACTOR_BUDGET, oversized_factor: str | int = "partition",
+        shard_curvature_state: bool | None = None,
     ):
         """Checks the arguments and builds the (not yet traced) curvature estimator.
 
@@ -233,6 +234,10 @@ class Optimizer:
             self._axis, bool(args["include_norms_in_stats"]), bool(args["include_per_param_norms_in_stats"]),
         )
         program.distribute = (bool(args["distributed_inverses"]), bool(args["distributed_precon_apply"]))
+        shard = args["shard_curvature_state"]
+        if shard is not None and not isinstance(shard, bool):
+            raise TypeError(f"`shard_curvature_state` must be True, False or None, got {shard!r}.")
+        program.shard_curvature_state = shard
         return program
 
     def _compile(self) -> None:

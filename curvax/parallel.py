@@ -4,9 +4,13 @@ curvax runs on several devices, and several hosts, through ``jax.sharding`` alon
 batch over a mesh axis, replicate (or shard) the parameters, and XLA partitions the jitted
 step, turning the sums over the batch (gradients, Kronecker factors, the quadratic model) into
 all-reduces. One decision is left to curvax: where the state goes. The velocities follow the
-parameters; the curvature statistics, the damping and the counters are replicated on the
-parameters' mesh. Pinning these shardings in ``init``, the burn-in and the step keeps every
-step's inputs placed alike, so the step compiles once.
+parameters; the damping and the counters are replicated on the parameters' mesh. The curvature
+state (Kronecker factors, cached inverses and eigenbases) is replicated too, unless the
+parameters are themselves sharded (FSDP-style) or the user asks for it
+(``Optimizer(shard_curvature_state=True)``): then each large matrix is split along one axis over
+the mesh's devices (``curvature_shardings``), so each device stores ~1/N of it and XLA gathers
+what a computation needs. Pinning these shardings in ``init``, the burn-in and the step keeps
+every step's inputs placed alike, so the step compiles once.
 
 kfac-jax's own ``pmap`` mode (``Optimizer(multi_device=True)``, every input with a leading
 device axis) is supported too, for code written against it; the helpers at the end serve it.
@@ -14,6 +18,8 @@ device axis) is supported too, for code written against it; the helpers at the e
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any
 
 import jax
@@ -32,6 +38,76 @@ def params_mesh(params: Any) -> Mesh | None:
     if mesh.size <= 1 or any(s.mesh != mesh for s in shardings):
         return None
     return mesh
+
+
+# Curvature-state leaves smaller than this many elements stay replicated: splitting them saves
+# little memory and costs a collective each (4096 elements: a 64 x 64 matrix, 16 KiB in float32).
+SHARD_MIN_ELEMENTS = 4096
+
+
+def params_sharded(params: Any) -> bool:
+    """Whether some leaf of ``params`` is split over its devices (not a full copy on each)."""
+    for leaf in jax.tree_util.tree_leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and not sharding.is_fully_replicated:
+            return True
+    return False
+
+
+def shards_curvature(option: bool | None, params: Any) -> bool:
+    """Whether the curvature state is sharded: ``option`` when given (``shard_curvature_state``),
+    else (None) exactly when the parameters are sharded on their mesh."""
+    return params_sharded(params) if option is None else bool(option)
+
+
+def split_spec(shape: tuple[int, ...], mesh: Mesh, min_elements: int = SHARD_MIN_ELEMENTS) -> PartitionSpec:
+    """How one curvature-state leaf of ``shape`` is split over ``mesh``.
+
+    Matrices (and stacks of them) of at least ``min_elements`` elements are split along one axis
+    over the mesh axes whose sizes multiply to the largest divisor of that axis's length (all
+    of them when it divides: 1/N per device); on ties the earlier axis wins. Anything
+    smaller, any vector or scalar, and a matrix no mesh axis divides stay replicated.
+    """
+    if len(shape) < 2 or math.prod(shape) < min_elements:
+        return PartitionSpec()
+    names = tuple(mesh.axis_names)
+    best: tuple[int, int, tuple[str, ...]] = (1, 0, ())  # (devices, dimension, mesh axes)
+    for r in range(len(names), 0, -1):
+        for axes in itertools.combinations(names, r):
+            size = math.prod(mesh.shape[a] for a in axes)
+            for dim, length in enumerate(shape):
+                if size > best[0] and length % size == 0:
+                    best = (size, dim, axes)
+    size, dim, axes = best
+    if size <= 1:
+        return PartitionSpec()
+    entry = axes[0] if len(axes) == 1 else axes
+    return PartitionSpec(*([None] * dim), entry)
+
+
+def curvature_shardings(tree: Any, mesh: Mesh, min_elements: int = SHARD_MIN_ELEMENTS) -> Any:
+    """A ``NamedSharding`` on ``mesh`` for every array leaf of ``tree`` (arrays or
+    ``jax.ShapeDtypeStruct``s): ``split_spec`` of its shape."""
+    return jax.tree_util.tree_map(lambda x: NamedSharding(mesh, split_spec(tuple(x.shape), mesh, min_elements)), tree)
+
+
+def bytes_per_device(tree: Any, shardings: Any = None) -> int:
+    """The bytes one device stores for ``tree``'s array leaves: each leaf's shard, by ``shardings``
+    (a tree of shardings matching ``tree``, or a prefix of it) or by the leaves' own; a leaf with
+    neither counts whole."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if shardings is None:
+        places = [getattr(x, "sharding", None) for x in leaves]
+    else:
+        places = jax.tree_util.tree_leaves(
+            jax.tree_util.tree_map(lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), shardings, tree,
+                                   is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+        )
+    total = 0
+    for x, place in zip(leaves, places):
+        shape = tuple(x.shape) if place is None else tuple(place.shard_shape(tuple(x.shape)))
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+    return int(total)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -2,6 +2,9 @@
 
 ``python sharding_child.py devices`` trains every configuration on one device and on all the
 process's devices (batch sharded, parameters replicated) and prints one JSON line.
+``python sharding_child.py state`` trains, in float64, with the curvature state split over the
+devices (FSDP-sharded parameters, or ``shard_curvature_state=True``) and on one device, and
+prints one JSON line of the differences and the placements.
 ``python sharding_child.py process PID NUM PORT`` joins a ``jax.distributed`` job over loopback
 as process ``PID`` of ``NUM``, feeds its own rows of the batch, and prints one JSON line.
 The test process imports ``train`` for the one-device reference.
@@ -124,6 +127,107 @@ def on_devices() -> dict[str, Any]:
     return out
 
 
+# --- the curvature state split over the devices (``python sharding_child.py state``) -----------
+
+
+def state_loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """A classifier whose first layer has no bias: Kronecker factors of 64 x 64 and 128 x 128
+    (split over 4 devices), 129 x 129 (no mesh size divides it: replicated) and 8 x 8 (small)."""
+    x, y = batch
+    logits = jnp.tanh(x @ params["w1"]) @ params["w2"] + params["b2"]
+    curvax.register_softmax_cross_entropy_loss(logits, y)
+    return jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, logits.shape[-1]), axis=-1))
+
+
+def state_data() -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
+    """Float64 parameters and a batch for ``state_loss``."""
+    k = jax.random.split(jax.random.PRNGKey(3), 4)
+    params = {"w1": jax.random.normal(k[0], (64, 128), jnp.float64) / 8,
+              "w2": jax.random.normal(k[1], (128, 8), jnp.float64) / 8, "b2": jnp.zeros(8, jnp.float64)}
+    batch = (jax.random.normal(k[2], (BATCH, 64), jnp.float64), jax.random.randint(k[3], (BATCH,), 0, 8))
+    return jax.tree_util.tree_map(np.asarray, (params, batch))
+
+
+def train_state(params: Any, batch: Any, steps: int = 3, **kw: Any) -> tuple[curvax.Optimizer, Any, list[Any], list[float]]:
+    """Burn-in, then ``steps`` steps (inverses every other step); returns the optimizer, the
+    parameters, the states (after init and after every step) and the losses."""
+    opt = curvax.Optimizer(jax.value_and_grad(state_loss), l2_reg=1e-3, num_burnin_steps=2, inverse_update_period=2,
+                           use_adaptive_learning_rate=True, use_adaptive_momentum=True, **kw)
+    states = [opt.init(params, jax.random.PRNGKey(1), batch)]
+    losses = []
+    for i in range(steps):
+        params, state, stats = opt.step(params, states[-1], jax.random.PRNGKey(2 + i), batch=batch, damping=0.1)
+        states.append(state)
+        losses.append(float(stats["loss"]))
+    return opt, params, states, losses
+
+
+def _specs(tree: Any) -> list[str]:
+    return [str(leaf.sharding.spec) for leaf in jax.tree_util.tree_leaves(tree)]
+
+
+def _max_rel_diff(a: Any, b: Any) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / max(1.0, float(np.max(np.abs(np.asarray(y))))))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+    )
+
+
+def sharded_state() -> dict[str, Any]:
+    """FSDP-sharded parameters (the default splits the state) and replicated ones with
+    ``shard_curvature_state=True``, each against the same run on one device."""
+    jax.config.update("jax_enable_x64", True)
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from curvax import parallel
+
+    mesh = Mesh(jax.devices(), ("data",))
+    params, batch = state_data()
+    one = jax.devices()[0]
+    _, p1, states1, l1 = train_state(jax.device_put(params, one), jax.device_put(batch, one))
+    fsdp = {k: NamedSharding(mesh, P() if k == "b2" else P("data", None)) for k in params}
+    runs = {
+        "fsdp": (jax.device_put(params, fsdp), {}),
+        "requested": (jax.device_put(params, NamedSharding(mesh, P())), {"shard_curvature_state": True}),
+    }
+    sharded_batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    out: dict[str, Any] = {"devices": jax.device_count(), "min_elements": parallel.SHARD_MIN_ELEMENTS}
+    for name, (p0, kw) in runs.items():
+        opt, pn, states, ln = train_state(p0, sharded_batch, **kw)
+        trace_count = opt.trace_count  # before lowering the step again below
+        compiled = opt._jit_step.lower(pn, states[-1], jax.random.PRNGKey(0), sharded_batch, None,
+                                       *(jnp.asarray(0.1),) * 3).compile()
+        state_in, state_out = compiled.input_shardings[0][1], compiled.output_shardings[1]
+        est = states[-1].estimator_state
+        out[name] = {
+            "losses": ln, "losses_one_device": l1,
+            "max_param_rel_diff": _max_rel_diff(pn, p1),
+            "max_state_rel_diff": _max_rel_diff(est, states1[-1].estimator_state),
+            "trace_count": trace_count,
+            # (shape, spec, shard shape) of every curvature-state leaf after the last step
+            "leaves": [(list(x.shape), str(x.sharding.spec), list(x.sharding.shard_shape(x.shape)))
+                       for x in jax.tree_util.tree_leaves(est)],
+            "same_placement_every_step": all(_specs(s) == _specs(states[-1]) for s in states),
+            # The compiled step takes the curvature state and the velocities where it returns them
+            # (an unused input, e.g. a damping given to `step`, has no sharding: not compared).
+            "compiled_in_equals_out": all(
+                _specs_of(getattr(state_in, f)) == _specs_of(getattr(state_out, f)) == _specs(getattr(states[-1], f))
+                for f in ("estimator_state", "velocities")
+            ),
+            "bytes_per_device": parallel.bytes_per_device(est),
+            "bytes_one_device": parallel.bytes_per_device(states1[-1].estimator_state),
+        }
+    # shard_curvature_state=False keeps the state replicated next to sharded parameters.
+    opt = curvax.Optimizer(jax.value_and_grad(state_loss), l2_reg=1e-3, shard_curvature_state=False)
+    state = opt.init(jax.device_put(params, fsdp), jax.random.PRNGKey(1), sharded_batch)
+    out["declined_replicated"] = all(x.sharding.is_fully_replicated for x in jax.tree_util.tree_leaves(state.estimator_state))
+    return out
+
+
+def _specs_of(shardings: Any) -> list[str]:
+    return [str(s.spec) for s in jax.tree_util.tree_leaves(shardings, is_leaf=lambda s: hasattr(s, "spec"))]
+
+
 def in_process(pid: int, num: int, port: int) -> dict[str, Any]:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num, process_id=pid)
@@ -149,5 +253,7 @@ def in_process(pid: int, num: int, port: int) -> dict[str, Any]:
 if __name__ == "__main__":
     if sys.argv[1] == "devices":
         print(json.dumps(on_devices()))
+    elif sys.argv[1] == "state":
+        print(json.dumps(sharded_state()))
     else:
         print(json.dumps(in_process(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))

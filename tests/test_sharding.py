@@ -125,3 +125,73 @@ def test_state_placement_is_left_to_jax_on_one_device():
     one = jax.device_put(params, NamedSharding(Mesh(jax.devices()[:1], ("data",)), PartitionSpec()))
     assert parallel.params_mesh(one) is None  # a mesh of one device
     assert parallel.constrain(params, None) is params
+
+
+def test_split_spec_divides_the_largest_share_it_can():
+    """``parallel.split_spec``: all devices where a dimension's length divides, else the largest
+    mesh-axis product that divides one, else replicated; small leaves and vectors replicated."""
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+
+    from curvax import parallel
+
+    mesh = AbstractMesh((4, 2), ("data", "model"))
+    assert parallel.split_spec((2048, 2048), mesh) == P(("data", "model"))  # 1/8 of the rows each
+    assert parallel.split_spec((2052, 2052), mesh) == P("data")  # 2052 = 4 * 513: not by 8
+    assert parallel.split_spec((2050, 2050), mesh) == P("model")  # 2050 = 2 * 1025
+    assert parallel.split_spec((2049, 2049), mesh) == P()  # a biased layer's d + 1 = 3 * 683
+    assert parallel.split_spec((6, 4096), mesh) == P(None, ("data", "model"))  # 8 columns beat 2 rows
+    assert parallel.split_spec((8192,), mesh) == P()  # vectors (eigenvalues, diagonals) stay whole
+    assert parallel.split_spec((32, 32), mesh) == P()  # below SHARD_MIN_ELEMENTS
+    assert parallel.split_spec((32, 32), mesh, min_elements=1024) == P(("data", "model"))
+
+
+def test_bytes_per_device_counts_each_shard():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from curvax import parallel
+
+    tree = {"a": jax.ShapeDtypeStruct((64, 64), np.float32), "b": jax.ShapeDtypeStruct((3,), np.float64)}
+    assert parallel.bytes_per_device(tree) == 64 * 64 * 4 + 3 * 8
+    one = NamedSharding(Mesh(jax.devices()[:1], ("data",)), P("data"))
+    assert parallel.bytes_per_device(tree, {"a": one, "b": one}) == 64 * 64 * 4 + 3 * 8
+
+
+def test_shard_curvature_state_must_be_a_bool_or_none():
+    import curvax
+
+    with pytest.raises(TypeError, match="`shard_curvature_state` must be True, False or None"):
+        curvax.Optimizer(jax.value_and_grad(child.loss_fn), l2_reg=0.0, shard_curvature_state="yes")
+
+
+def test_curvature_state_split_over_four_devices_matches_one_device():
+    """FSDP-sharded parameters (the default then splits the curvature state) and replicated ones
+    with ``shard_curvature_state=True``: float64 runs equal one device's, the large factors and
+    their inverses are split by rows over the 4 devices (a quarter of each per device), the
+    placement is the same after init, burn-in and every step, and the step compiles once."""
+    proc = subprocess.run([sys.executable, "sharding_child.py", "state"], cwd=HERE, env=_env(4),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = _last_json(proc.stdout)
+    assert out["devices"] == 4
+    for name in ("fsdp", "requested"):
+        r = out[name]
+        np.testing.assert_allclose(r["losses"], r["losses_one_device"], rtol=1e-10, err_msg=name)
+        assert r["max_param_rel_diff"] < 1e-10 and r["max_state_rel_diff"] < 1e-10, name
+        assert r["trace_count"] == 1, name
+        assert r["same_placement_every_step"] and r["compiled_in_equals_out"], name
+        split = 0
+        for shape, spec, shard in r["leaves"]:
+            big = len(shape) == 2 and shape[0] * shape[1] >= out["min_elements"]
+            if big and shape[0] % 4 == 0:  # the 64 x 64 and 128 x 128 factors and cached inverses
+                assert spec == "P('data',)" and shard == [shape[0] // 4, shape[1]], (name, shape, spec)
+                split += 1
+            else:  # scalars, the 8 x 8 factor, the 129 x 129 one (no mesh size divides 129)
+                assert spec == "P()" and shard == shape, (name, shape, spec)
+        assert split == 4, name
+        assert any(shape == [129, 129] for shape, _, _ in r["leaves"]), name
+        # Each device keeps a quarter of the split leaves: 129 x 129 and 8 x 8 stay whole.
+        whole = sum(np.prod(shape) for shape, _, _ in r["leaves"]) * 8
+        split_bytes = sum(np.prod(shape) for shape, spec, _ in r["leaves"] if spec != "P()") * 8
+        assert r["bytes_one_device"] == whole
+        assert r["bytes_per_device"] == whole - split_bytes * 3 // 4, name
+    assert out["declined_replicated"]

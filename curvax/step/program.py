@@ -41,7 +41,9 @@ class StepProgram:
     """init, burn-in and step as pure functions over ``OptimizerState`` (see the module docstring).
 
     ``shares_gradient`` (the gradient proof's verdict) and ``state_shardings`` (where the state
-    lives on a mesh, None otherwise) are set by ``curvax.Optimizer.init`` before compiling.
+    lives on a mesh, None otherwise) are set by ``curvax.Optimizer.init`` before compiling;
+    ``shard_curvature_state`` (the optimizer's option) decides whether the curvature state is
+    split over that mesh.
     """
 
     def __init__(
@@ -58,6 +60,9 @@ class StepProgram:
         self.include_per_param_norms = include_per_param_norms
         self.shares_gradient = False
         self.state_shardings: OptimizerState | None = None
+        # Split the curvature state over the parameters' mesh: True, False, or None (when the
+        # parameters are sharded); see ``state_shardings_for``.
+        self.shard_curvature_state: bool | None = None
         # kfac-jax's distributed_inverses / distributed_precon_apply (set by the optimizer), and
         # the split of the curvature work over the devices they give (``prepare``; None on one).
         self.distribute: tuple[bool, bool] = (False, False)
@@ -106,19 +111,27 @@ class StepProgram:
         the loss itself only with ``with_loss`` (for the shared gradient pass)."""
         return forward.linearize(self.estimator.processed_jaxpr_for(func_args), func_args, with_loss)
 
-    def state_shardings_for(self, params: Any) -> OptimizerState | None:
+    def state_shardings_for(self, params: Any, example: tuple[Any, Any, Any] | None = None) -> OptimizerState | None:
         """Where the state lives when ``params`` span a mesh of several devices (else None).
 
-        Velocities take the parameters' shardings; everything else is replicated on their mesh
-        (see ``curvax.parallel``).
+        Velocities take the parameters' shardings; the damping and the counters are replicated
+        on their mesh. The curvature state is replicated too, unless ``shard_curvature_state``
+        (or, when that is None, sharded parameters) asks to split it: then every leaf gets its
+        own ``NamedSharding`` (``curvax.parallel.curvature_shardings``: large matrices split
+        along one axis, the rest replicated), from the shapes ``init`` gives it at ``example``
+        = ``(rng, batch, func_state)``.
         """
         mesh = parallel.params_mesh(params)
         if mesh is None:
             return None
         rep = parallel.replicated(mesh)
         velocities = jax.tree_util.tree_map(lambda x: x.sharding, params)
+        curvature: Any = rep
+        if example is not None and parallel.shards_curvature(self.shard_curvature_state, params):
+            shapes = jax.eval_shape(self.initial_estimator_state, params, *example)
+            curvature = parallel.curvature_shardings(shapes, mesh)
         return OptimizerState(
-            velocities=velocities, estimator_state=rep, damping=rep, data_seen=rep, step_counter=rep,
+            velocities=velocities, estimator_state=curvature, damping=rep, data_seen=rep, step_counter=rep,
             curvature_updates_skipped=rep, updates_skipped=rep, first_loss=rep,
         )
 
@@ -146,17 +159,21 @@ class StepProgram:
         table = pj.registration_table(params, names, getattr(self.estimator, "block_notes", None))
         has_generic = any(s.pattern == "generic" for s in pj.layer_sites)
         logger.log(logging.WARNING if has_generic else logging.INFO, "\n%s", table)
-        self.state_shardings = self.state_shardings_for(params)
+        self.state_shardings = self.state_shardings_for(params, (rng, batch, func_state))
         self.distribution = distributed.make_distribution(*self.distribute, axis_name=self.axis, params=params)
         return proof, table
 
     # --- init and burn-in --------------------------------------------------------------------
 
-    def init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> OptimizerState:
-        """The initial state: zero velocities, empty statistics, the initial damping (0 if None)."""
+    def initial_estimator_state(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> Any:
+        """The curvature estimator's initial state (empty statistics, the blocks' caches)."""
         func_args = self.func.make_args(params, func_state, rng, self.process(batch))
         exact, approx = self.cache_powers()
-        est_state = self.estimator.init(rng, func_args, exact, approx, False)
+        return self.estimator.init(rng, func_args, exact, approx, False)
+
+    def init(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> OptimizerState:
+        """The initial state: zero velocities, empty statistics, the initial damping (0 if None)."""
+        est_state = self.initial_estimator_state(params, rng, batch, func_state)
         initial = self.cfg.initial_damping
         damping_value = jnp.asarray(initial if initial is not None else 0.0, utils.coefficient_dtype())
         state = initial_state(utils.tree_zeros_like(params), est_state, damping_value)
