@@ -24,11 +24,13 @@ and compiled for the CPU devices. Reported per device count and variant:
 
 The variants: ``replicated`` (``shard_curvature_state=False``: every device stores the whole
 curvature state) and ``sharded`` (the default with sharded parameters). Each device count runs
-in its own child process (``--xla_force_host_platform_device_count``). Compiling the 20-layer
-step takes minutes per variant on a loaded 2-core machine, so by default 2, 4 and 6 layers are
-compiled and every figure is extrapolated to ``--target-layers`` (20) by a least-squares line in
-the layer count (``fit_max_relative_residual`` says how straight the points lie); the state's
-bytes are exactly linear in it. The machine's load average is recorded around every child.
+in its own child process (``--xla_force_host_platform_device_count``). The full 20 layers are
+compiled by default (2 to 8 minutes per variant on the loaded 2-core machine; about 35 minutes
+in all). ``--layers 2,4,6`` compiles smaller stacks instead and extrapolates every figure to
+``--target-layers`` (20) by a least-squares line in the layer count
+(``fit_max_relative_residual`` says how straight the points lie; the stored state is exactly
+linear in it): ``benchmarks/results/sharded_state_memory_fit.json``, within 3% of the full
+compile. The machine's load average is recorded around every child.
 
 Writes ``benchmarks/results/sharded_state_memory.json`` (``--output``). ``--quick``: width 256,
 2 layers.
@@ -54,7 +56,7 @@ ROOT = HERE.parent
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", default="1,2,4,8", help="comma-separated device counts")
-    p.add_argument("--layers", default="2,4,6", help="comma-separated layer counts (two or more: a linear fit)")
+    p.add_argument("--layers", default="20", help="comma-separated layer counts (two or more: a linear fit)")
     p.add_argument("--target-layers", type=int, default=20, help="layer count the fit extrapolates to")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--batch", type=int, default=512, help="tokens per step (split over the devices)")
