@@ -222,6 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "extrapolated": False}
             else:
                 fig = {**extrapolate(by_layers, args.target_layers), "extrapolated": True}
+            if "memory_analysis.temp_size_in_bytes" in fig:  # what the step holds at once: the docs' last column
+                fig["step_arguments_outputs_temporaries_gib"] = round(sum(
+                    fig[f"memory_analysis.{k}_size_in_bytes"] for k in ("argument", "output", "temp")) / 2**30, 2)
             table[f"{n}/{variant}"] = fig
     gib = lambda b: round(b / 2**30, 3)
     summary = {
