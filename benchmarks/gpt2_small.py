@@ -141,6 +141,7 @@ def child(optimizer: str, scale: str, steps: int, inverse_period: int, untied: b
         "all_finite": bool(all(jnp.isfinite(jnp.asarray(losses)))),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     })
+    out["peak_rss_gib"] = round(out["peak_rss_bytes"] / 2**30, 2)
     return out
 
 
