@@ -616,8 +616,12 @@ def budget_note(block: Any, factor_budget: int | None) -> str | None:
     if factor_budget is None or not isinstance(block, blocks.TwoKroneckerFactored):
         return None
     itemsize = jnp.dtype(block.dtype).itemsize
+    try:  # a user's Kronecker subclass may leave the sizes unimplemented (kfac-jax's abstract ones)
+        sides = (("inputs", int(block.input_size())), ("outputs", int(block.output_size())))
+    except NotImplementedError:
+        return None
     over = []
-    for which, side in (("inputs", int(block.input_size())), ("outputs", int(block.output_size()))):
+    for which, side in sides:
         if side * side * itemsize > factor_budget:
             over.append(f"{which} factor {side}\u00b2 x {itemsize} B = {format_bytes(side * side * itemsize)}")
     if not over:
