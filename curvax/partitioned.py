@@ -472,15 +472,9 @@ class DensePartitionedKroneckerFactored(blocks._DenseKroneckerMixin, blocks.Curv
 
     # --- matrix functions ----------------------------------------------------------------
 
-    def _check_approx_cacheable(self, power: Numeric) -> None:
-        if power != -1:
-            raise NotImplementedError(
-                f"{self._name} ({type(self).__name__}): approximate power {power} cannot be cached; only the "
-                "approximate inverse (power -1) can. Use exact powers for other powers."
-            )
-
-    def _serves_from_cache(self, power, exact_power):
-        return power != 1 if exact_power else power == -1
+    # The same cache rules as the plain Kronecker block (only the approximate inverse is cached).
+    _check_approx_cacheable = blocks._FactorPairBlock._check_approx_cacheable
+    _serves_from_cache = blocks._FactorPairBlock._serves_from_cache
 
     def _kron(self, a: Factor, g: Factor, v: Array) -> Array:
         """``A_part V G_part``."""
