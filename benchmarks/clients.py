@@ -68,6 +68,9 @@ from pathlib import Path
 from typing import Any
 
 CLIENTS = ("ferminet", "deepqmc")
+# "attention": the attention-based ansatz each client ships (FermiNet's Psiformer, DeepQMC's
+# psiformer configuration), shrunk as the default one is.
+ANSATZE = ("default", "attention")
 BACKENDS = ("kfac_jax", "curvax", "curvax_legacy_pmap")
 DEFAULT_BACKENDS = BACKENDS[:2]
 SHIM = 'import sys, curvax; sys.modules["kfac_jax"] = curvax\n'
@@ -210,6 +213,8 @@ def install_optimizer_wrapper() -> None:
             for key in ("loss", "grad_norm", "precon_grad_norm", "update_norm", "param_norm", "learning_rate"):
                 rec[key] = _first(stats.get(key)) if isinstance(stats, dict) and key in stats else None
             REC.data["opt_steps"].append(rec)
+            if i == 0 and REC.data.get("train_start") is not None:
+                REC.data["train_start_to_step0_end_s"] = time.perf_counter() - REC.data["train_start"]
             if i == 0 and isinstance(stats, dict):
                 REC.data["stats_keys"] = sorted(stats)
             return out
@@ -219,8 +224,9 @@ def install_optimizer_wrapper() -> None:
     kfac_jax.Optimizer = RecordingOptimizer
 
 
-def run_ferminet(workdir: str) -> None:
-    """FermiNet H2: 2 determinants, hidden ((16, 4), (16, 4)), 128 walkers, K-FAC, no pretraining."""
+def run_ferminet(workdir: str, ansatz: str = "default") -> None:
+    """FermiNet H2: 2 determinants, hidden ((16, 4), (16, 4)), 128 walkers, K-FAC, no pretraining.
+    ``ansatz="attention"``: FermiNet's Psiformer, 2 layers of 2 heads of width 8, MLP 16."""
     import numpy as np
     from ferminet import base_config, train
     from ferminet.utils import system
@@ -235,6 +241,12 @@ def run_ferminet(workdir: str) -> None:
     cfg.batch_size = WALKERS
     cfg.network.determinants = 2
     cfg.network.ferminet.hidden_dims = ((16, 4), (16, 4))
+    if ansatz == "attention":
+        cfg.network.network_type = "psiformer"
+        cfg.network.psiformer.num_layers = 2
+        cfg.network.psiformer.num_heads = 2
+        cfg.network.psiformer.heads_dim = 8
+        cfg.network.psiformer.mlp_hidden_dims = (16,)
     cfg.pretrain.iterations = 0
     cfg.mcmc.burn_in = 10
     cfg.optim.iterations = STEPS
@@ -266,8 +278,9 @@ def run_ferminet(workdir: str) -> None:
     train.train(cfg, writer_manager=Writer())
 
 
-def run_deepqmc(workdir: str) -> None:
-    """DeepQMC H2: its default ansatz shrunk (2 determinants, width 16, 1 interaction), 128 samples."""
+def run_deepqmc(workdir: str, ansatz: str = "default") -> None:
+    """DeepQMC H2: its default ansatz shrunk (2 determinants, width 16, 1 interaction), 128 samples.
+    ``ansatz="attention"``: its ``psiformer`` ansatz shrunk the same way."""
     import deepqmc
     import jax
     from hydra import compose, initialize_config_module
@@ -294,6 +307,8 @@ def run_deepqmc(workdir: str) -> None:
         "ansatz.omni_factory.gnn_factory.two_particle_stream_dim=8",
         "task.workdir=null",
     ]
+    if ansatz == "attention":
+        overrides.insert(0, "ansatz=psiformer")
     REC.data["config"] = overrides
     with initialize_config_module(config_module="deepqmc.conf", version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
@@ -312,10 +327,10 @@ def run_deepqmc(workdir: str) -> None:
     call(task, _convert_="all")
 
 
-def child(client: str, backend: str, result: str) -> int:
+def child(client: str, backend: str, result: str, ansatz: str = "default") -> int:
     """Runs one client with the backend the parent put on the path; writes the record."""
     os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
-    REC.data.update(client=client, backend=backend, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    REC.data.update(client=client, backend=backend, ansatz=ansatz, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     rc = 0
     workdir = tempfile.mkdtemp(prefix=f"clients_{client}_")
     try:
@@ -332,7 +347,7 @@ def child(client: str, backend: str, result: str) -> int:
         REC.data["phase"] = "client_import"
         install_optimizer_wrapper()
         REC.data["phase"] = "client_setup"
-        {"ferminet": run_ferminet, "deepqmc": run_deepqmc}[client](workdir)
+        {"ferminet": run_ferminet, "deepqmc": run_deepqmc}[client](workdir, ansatz)
         REC.data["phase"] = "done"
         REC.data["total_s"] = time.perf_counter() - t0
     except BaseException as e:  # record every failure, including SystemExit from a client
@@ -359,6 +374,7 @@ def summarize(rec: dict[str, Any]) -> dict[str, Any]:
         "grad_norm_step0": steps[0]["grad_norm"] if steps else None,
         "client_grad_norm_step0": rec.get("client_grad_norm"),
         "first_step_s": times[0] if times else None,
+        "train_start_to_step0_end_s": rec.get("train_start_to_step0_end_s"),
         "step_median_s": statistics.median(times[1:]) if len(times) > 1 else None,
         "first_iter_s": iter_times[0] if iter_times else None,
         "iter_median_s": statistics.median(iter_times[1:]) if len(iter_times) > 1 else None,
@@ -368,10 +384,13 @@ def summarize(rec: dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
-def run_child(client: str, backend: str, timeout: float) -> dict[str, Any]:
-    """One fresh process; the shim directory goes first on PYTHONPATH for curvax."""
+def run_child(client: str, backend: str, timeout: float, ansatz: str = "default", devices: int = 1) -> dict[str, Any]:
+    """One fresh process on ``devices`` CPU devices (the clients pmap over all of them); the shim
+    directory goes first on PYTHONPATH for curvax."""
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as the configurations say
+    env.pop("XLA_FLAGS", None)
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
     env["NVIDIA_TF32_OVERRIDE"] = "0"
     if backend == "curvax_legacy_pmap":
@@ -384,14 +403,16 @@ def run_child(client: str, backend: str, timeout: float) -> dict[str, Any]:
         t = time.perf_counter()
         try:
             proc = subprocess.run(
-                [sys.executable, __file__, "--child", client, "--backend", backend, "--result", str(result)],
+                [sys.executable, __file__, "--child", client, "--backend", backend, "--result", str(result),
+                 "--child-ansatz", ansatz],
                 env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp,
             )
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
         except subprocess.TimeoutExpired as e:
             rc, tail = "timeout", str(e.stderr or "")[-3000:]
         wall = time.perf_counter() - t
-        rec = json.loads(result.read_text()) if result.exists() else {"client": client, "backend": backend}
+        rec = json.loads(result.read_text()) if result.exists() else {"client": client, "backend": backend, "ansatz": ansatz}
+    rec["num_devices"] = devices
     rec["process_s"] = wall
     rec["returncode"] = rc
     if rc != 0:
@@ -400,16 +421,41 @@ def run_child(client: str, backend: str, timeout: float) -> dict[str, Any]:
     return summarize(rec)
 
 
+def compare_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (client, ansatz, devices): each backend's medians over the repeats, curvax / kfac-jax,
+    and the largest energy difference over the steps (repeat 0)."""
+    rows = []
+    for key in dict.fromkeys(_row_key(r) for r in runs):
+        row: dict[str, Any] = {"client": key[0], "ansatz": key[1], "devices": key[2]}
+        for backend in dict.fromkeys(r["backend"] for r in runs):
+            mine = [r["summary"] for r in runs if _row_key(r) == key and r["backend"] == backend and r["summary"]["ok"]]
+            for metric in ("step_median_s", "first_step_s", "train_start_to_step0_end_s"):
+                vals = [m[metric] for m in mine if m[metric] is not None]
+                row[f"{backend}/{metric}"] = statistics.median(vals) if vals else None
+        for metric in ("step_median_s", "first_step_s", "train_start_to_step0_end_s"):
+            a, c = row.get(f"kfac_jax/{metric}"), row.get(f"curvax/{metric}")
+            row[f"ratio/{metric}"] = c / a if a and c else None
+        e = {r["backend"]: r["summary"]["energies"] for r in runs if _row_key(r) == key and r.get("repeat", 0) == 0}
+        if "kfac_jax" in e and "curvax" in e and e["kfac_jax"] and len(e["kfac_jax"]) == len(e["curvax"]):
+            row["max_energy_diff"] = max(abs(x - y) for x, y in zip(e["kfac_jax"], e["curvax"]) if x is not None and y is not None)
+        rows.append(row)
+    return rows
+
+
 def fmt(x: Any, spec: str = ".6f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _row_key(r: dict[str, Any]) -> tuple[str, str, int]:
+    return r["client"], r.get("ansatz", "default"), r.get("num_devices", 1)
+
+
 def print_table(runs: list[dict[str, Any]]) -> None:
-    by = {(r["client"], r["backend"]): r for r in runs}
-    for client in dict.fromkeys(r["client"] for r in runs):
-        a = by.get((client, "kfac_jax"))
-        print(f"\n== {client} ==")
-        cols = [(name, by.get((client, name))) for name in BACKENDS]
+    by = {(*_row_key(r), r["backend"]): r for r in runs if r.get("repeat", 0) == 0}
+    for key in dict.fromkeys(_row_key(r) for r in runs):
+        a = by.get((*key, "kfac_jax"))
+        print(f"\n== {key[0]}, {key[1]} ansatz, {key[2]} device(s) ==")
+        cols = [(name, by.get((*key, name))) for name in BACKENDS]
         header = f"{'':28s}" + "".join(f"{name:>19s}" for name, r in cols if r)
         print(header)
 
@@ -421,6 +467,7 @@ def print_table(runs: list[dict[str, Any]]) -> None:
         row("step-0 grad norm (optimizer)", "grad_norm_step0", ".7g")
         row("step-0 grad norm (client)", "client_grad_norm_step0", ".7g")
         row("first step s", "first_step_s", ".3f")
+        row("train start to step 0 end s", "train_start_to_step0_end_s", ".3f")
         row("median step s (after 1st)", "step_median_s", ".4f")
         row("first iteration s", "first_iter_s", ".3f")
         row("median iteration s", "iter_median_s", ".4f")
@@ -450,14 +497,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(DEFAULT_BACKENDS),
                    help="curvax_legacy_pmap: curvax with JAX_PMAP_SHMAP_MERGE=false, the JAX flag kfac-jax "
                    "0.0.8 sets on import (runs only when named)")
+    p.add_argument("--ansatz", nargs="+", choices=ANSATZE, default=["default"], dest="ansatze")
+    p.add_argument("--devices", nargs="+", type=int, default=[1], help="CPU devices per run (each value a row)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per backend and row, the backends' order alternating")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per child process")
     p.add_argument("--child", choices=CLIENTS, help=argparse.SUPPRESS)
+    p.add_argument("--child-ansatz", dest="child_ansatz", choices=ANSATZE, default="default", help=argparse.SUPPRESS)
     p.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return child(args.child, args.backend, args.result)
+        return child(args.child, args.backend, args.result, args.child_ansatz)
     import importlib.util
 
     needed = [*args.clients, *(["kfac_jax"] if "kfac_jax" in args.backends else []), "curvax"]
@@ -469,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     out = {
         "what": "FermiNet and DeepQMC, unchanged, with kfac-jax and with curvax behind the kfac_jax name",
-        "configuration": {"steps": STEPS, "walkers": WALKERS, "seed": SEED, "devices": 1},
+        "configuration": {"steps": STEPS, "walkers": WALKERS, "seed": SEED, "devices": args.devices,
+                          "ansatze": args.ansatze, "repeats": args.repeats},
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "python": sys.version.split()[0],
         "machine": {"cpu_count": os.cpu_count(), "load_average_before": list(os.getloadavg())},
@@ -477,13 +529,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     for client in args.clients:
-        for backend in args.backends:
-            print(f"running {client} with {backend} ...", flush=True)
-            load = list(os.getloadavg())
-            runs.append(run_child(client, backend, args.timeout))
-            runs[-1]["load_average_start"], runs[-1]["load_average_end"] = load, list(os.getloadavg())
-            out["machine"]["load_average_after"] = list(os.getloadavg())
-            args.output.write_text(json.dumps(out, indent=1) + "\n")  # after each run: partial results survive
+        for ansatz in args.ansatze:
+            for devices in args.devices:
+                for repeat in range(args.repeats):
+                    order = args.backends if repeat % 2 == 0 else args.backends[::-1]  # alternate who goes first
+                    for backend in order:
+                        print(f"running {client} ({ansatz}, {devices} device(s)) with {backend} ...", flush=True)
+                        load = list(os.getloadavg())
+                        runs.append(run_child(client, backend, args.timeout, ansatz, devices))
+                        runs[-1]["repeat"] = repeat
+                        runs[-1]["load_average_start"], runs[-1]["load_average_end"] = load, list(os.getloadavg())
+                        out["machine"]["load_average_after"] = list(os.getloadavg())
+                        args.output.write_text(json.dumps(out, indent=1) + "\n")  # after each run: partial results survive
+    out["rows"] = compare_rows(runs)
+    args.output.write_text(json.dumps(out, indent=1) + "\n")
     print_table(runs)
     print(f"\nwrote {args.output}")
     return 0 if all(r["summary"]["ok"] for r in runs) else 1

@@ -221,6 +221,7 @@ class Optimizer:
         self._program = self._make_program(args)
         self._params_spec: Any = None
         self._state_spec: Any = None
+        self._checked_signature: Any = None  # of the last step arguments that passed the checks
         self._compile()
         self._forbid = bool(forbid_setting_attributes_after_finalize)
         self._modifiable = frozenset(modifiable_attribute_exceptions)
@@ -358,6 +359,7 @@ class Optimizer:
             self._prepare(params, rng, batch, func_state)
             state = self._jit_init(params, rng, batch, func_state)
         self._state_spec = _config.state_spec(state)
+        self._checked_signature = None
         return state
 
     def _prepare(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> None:
@@ -535,10 +537,18 @@ class Optimizer:
         self, params: Any, state: Any, rng: Any, data_iterator: Any, batch: Any, func_state: Any, learning_rate: Any,
         momentum: Any, damping: Any, global_step_int: int | None,
     ) -> int:
-        """The host-side checks of ``step``'s arguments; returns the step number (see ``step``)."""
-        _config.check_step_call(
-            self._params_spec, self._multi_device, self._has_state, params, state, rng, data_iterator, batch, func_state
-        )
+        """The host-side checks of ``step``'s arguments; returns the step number (see ``step``).
+
+        The structural checks depend only on the arguments' tree structures, shapes and dtypes:
+        a call whose signature equals the last checked one skips them (they are most of a small
+        model's host time per step)."""
+        sig = _config.call_signature(params, state, rng, func_state)
+        if sig != self._checked_signature or (data_iterator is None) == (batch is None) or (self._has_state and func_state is None):
+            _config.check_step_call(
+                self._params_spec, self._multi_device, self._has_state, params, state, rng, data_iterator, batch, func_state
+            )
+            _config.check_state_spec(self._state_spec, state, self._multi_device)
+            self._checked_signature = sig
         needs_counter = self._config.num_burnin_steps > 0 and global_step_int is None
         step_int = self.verify_args_and_get_step_counter(
             (state.step_counter[0] if self._multi_device else state.step_counter) if needs_counter else 0,
@@ -547,7 +557,6 @@ class Optimizer:
         # Checked here where concrete; a traced value is flagged by the step (`invalid_coefficients`).
         for value, name in ((learning_rate, "learning_rate"), (momentum, "momentum"), (damping, "damping")):
             _config.check_concrete_coefficient(value, name, self._config.l2_reg)
-        _config.check_state_spec(self._state_spec, state, self._multi_device)
         return step_int
 
     def _first_burnin(self, params: Any, state: Any, key: jax.Array, data_iterator: Any, batch: Any, func_state: Any) -> tuple[Any, Any]:

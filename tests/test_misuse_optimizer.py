@@ -125,6 +125,32 @@ def test_state_from_another_model_names_state(data):
         opt.step(params, other_state, jax.random.PRNGKey(1), batch=batch, learning_rate=0.1, momentum=0.0, damping=1.0)
 
 
+def test_checks_skipped_for_a_repeated_signature_still_catch_a_changed_call(data):
+    """After a good step the structural checks are skipped for arguments of the same structure,
+    shapes and dtypes (host time); any change to those still gets the checks' clear errors."""
+    params, batch = data
+    other_params, other_batch = models.classifier(16, (5, 9, 4))
+    other_state = _opt().init(other_params, jax.random.PRNGKey(0), other_batch)
+    opt = _opt()
+    state = opt.init(params, jax.random.PRNGKey(0), batch)
+    kw = dict(learning_rate=0.1, momentum=0.0, damping=1.0)
+    params, state, _ = opt.step(params, state, jax.random.PRNGKey(1), batch=batch, **kw)
+    params, state, _ = opt.step(params, state, jax.random.PRNGKey(2), batch=batch, **kw)  # the fast path
+    with pytest.raises(ValueError, match=r"`state` leaf .* another model"):
+        opt.step(params, other_state, jax.random.PRNGKey(1), batch=batch, **kw)
+    with pytest.raises(ValueError, match="`params` differ in structure, shapes or dtypes"):
+        opt.step(dict(params, w1=params["w1"][:, :3]), state, jax.random.PRNGKey(1), batch=batch, **kw)
+    with pytest.raises(ValueError, match="`params` differ in structure, shapes or dtypes"):
+        opt.step(dict(params, w1=params["w1"].astype(jnp.float16)), state, jax.random.PRNGKey(1), batch=batch, **kw)
+    with pytest.raises(TypeError, match="`rng` must be a JAX PRNG key"):
+        opt.step(params, state, jnp.zeros(2, jnp.float32), batch=batch, **kw)
+    with pytest.raises(ValueError, match="exactly one of `data_iterator` and `batch`"):
+        opt.step(params, state, jax.random.PRNGKey(1), data_iterator=iter([batch]), batch=batch, **kw)
+    with pytest.raises(ValueError, match="step needs `learning_rate=`"):
+        opt.step(params, state, jax.random.PRNGKey(1), batch=batch, momentum=0.0, damping=1.0)
+    assert opt.trace_count == 1
+
+
 @pytest.mark.parametrize("mode", ["fisher_empirical", "fisher_gradients", "ggn_curvature_prop"])
 def test_out_of_range_labels_are_never_absorbed(data, mode):
     params, (x, y) = data

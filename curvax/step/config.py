@@ -222,7 +222,13 @@ def scalar_arg(value: Any, name: str, multi_device: bool = False) -> jax.Array:
     With ``multi_device`` (pmap) one value per local device, shape ``(devices,)``.
     """
     if multi_device:
-        return parallel.device_scalar(0.0 if value is None else value, jax.local_device_count(), name)
+        n = jax.local_device_count()
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            # A host array: no eager JAX dispatch per step (the pmap transfers it with the call).
+            return np.full((n,), 0.0 if value is None else value, dtype=jax.dtypes.canonicalize_dtype(jnp.float64))  # type: ignore[return-value]
+        return parallel.device_scalar(value, n, name)
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return np.asarray(0.0 if value is None else value, dtype=utils.coefficient_dtype())  # type: ignore[return-value]
     try:
         arr = jnp.asarray(0.0 if value is None else value, dtype=utils.coefficient_dtype())
     except (TypeError, ValueError) as e:
@@ -395,6 +401,16 @@ def state_spec(state: Any) -> tuple[Any, tuple[tuple[int, ...], ...]]:
     """The structure and shapes of an ``OptimizerState``: what a state from another model breaks."""
     leaves, treedef = jax.tree_util.tree_flatten(state)
     return treedef, tuple(tuple(np.shape(x)) for x in leaves)
+
+
+def call_signature(*trees: Any) -> tuple:
+    """The tree structures, shapes and dtypes of ``trees``: everything the structural checks of a
+    step call depend on (a cheap key to skip them for a call like the last checked one)."""
+    out = []
+    for tree in trees:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        out.append((treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)))
+    return tuple(out)
 
 
 def check_state_spec(expected: Any, state: Any, multi_device: bool) -> None:
