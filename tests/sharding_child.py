@@ -6,7 +6,9 @@ process's devices (batch sharded, parameters replicated) and prints one JSON lin
 devices (FSDP-sharded parameters, or ``shard_curvature_state=True``) and on one device, and
 prints one JSON line of the differences and the placements.
 ``python sharding_child.py process PID NUM PORT`` joins a ``jax.distributed`` job over loopback
-as process ``PID`` of ``NUM``, feeds its own rows of the batch, and prints one JSON line.
+as process ``PID`` of ``NUM``, feeds its own rows of the batch (replicated parameters, then
+FSDP-sharded ones with the curvature state split over all the processes' devices, in float64),
+and prints one JSON line.
 The test process imports ``train`` for the one-device reference.
 """
 
@@ -162,6 +164,43 @@ def train_state(params: Any, batch: Any, steps: int = 3, **kw: Any) -> tuple[cur
     return opt, params, states, losses
 
 
+def deep_loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Four dense layers, one block each, so that the distributed refresh gives each of 4
+    devices one block: Kronecker factors of 64 x 64 and 128 x 128 (split over 4 devices),
+    65 x 65 (the biased layer's input: replicated) and 8 x 8 (small)."""
+    x, y = batch
+    h = jnp.tanh(jnp.tanh(jnp.tanh(x @ params["w1"]) @ params["w2"]) @ params["w3"])
+    logits = h @ params["w4"] + params["b4"]
+    curvax.register_softmax_cross_entropy_loss(logits, y)
+    return jnp.mean(-jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, logits.shape[-1]), axis=-1))
+
+
+def deep_data() -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
+    """Float64 parameters and a batch for ``deep_loss``, as NumPy arrays (call under x64)."""
+    k = jax.random.split(jax.random.PRNGKey(4), 6)
+    shapes = {"w1": (64, 128), "w2": (128, 64), "w3": (64, 64), "w4": (64, 8)}
+    params = {name: jax.random.normal(key, shape, jnp.float64) / 8 for key, (name, shape) in zip(k, shapes.items())}
+    params["b4"] = jnp.zeros(8, jnp.float64)
+    batch = (jax.random.normal(k[4], (BATCH, 64), jnp.float64), jax.random.randint(k[5], (BATCH,), 0, 8))
+    return jax.tree_util.tree_map(np.asarray, (params, batch))
+
+
+def train_deep(params: Any, batch: Any, steps: int = 3) -> tuple[curvax.Optimizer, Any, list[Any], list[float]]:
+    """``steps`` steps of ``deep_loss`` in the adaptive mode (learning rate, momentum and
+    damping), inverses refreshed at steps 0 and 2; no burn-in (one program fewer to compile).
+    Returns the optimizer, the parameters, the states (after init and every step) and the losses."""
+    opt = curvax.Optimizer(jax.value_and_grad(deep_loss), l2_reg=1e-3, num_burnin_steps=0, inverse_update_period=2,
+                           use_adaptive_learning_rate=True, use_adaptive_momentum=True, use_adaptive_damping=True,
+                           initial_damping=1.0)
+    states = [opt.init(params, jax.random.PRNGKey(1), batch)]
+    losses = []
+    for i in range(steps):
+        params, state, stats = opt.step(params, states[-1], jax.random.PRNGKey(2 + i), batch=batch)
+        states.append(state)
+        losses.append(float(stats["loss"]))
+    return opt, params, states, losses
+
+
 def _specs(tree: Any) -> list[str]:
     return [str(leaf.sharding.spec) for leaf in jax.tree_util.tree_leaves(tree)]
 
@@ -247,7 +286,64 @@ def in_process(pid: int, num: int, port: int) -> dict[str, Any]:
             "params": [np.asarray(leaf.addressable_data(0)).tolist() for leaf in jax.tree_util.tree_leaves(p)],
             "trace_count": opt.trace_count,
         }
+    with jax.enable_x64(True):
+        out["fsdp"] = fsdp_in_process(mesh, pid, num)
     return out
+
+
+def fsdp_in_process(mesh: Any, pid: int, num: int) -> dict[str, Any]:
+    """``train_deep`` in float64 with FSDP-sharded parameters on the global mesh: the default
+    then splits the curvature state over all the processes' devices, and the distributed
+    refresh and preconditioning deal their blocks to all of them. Reports the losses, the global
+    parameters and curvature state (gathered to every process), each state leaf's placement as
+    this process sees it, the compiled step's all-gathers and per-device decompositions, and
+    the error ``init`` gives for a NaN in another process's rows."""
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    params, (x, y) = deep_data()
+    rows = slice(pid * BATCH // num, (pid + 1) * BATCH // num)
+    batch = tuple(jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), a[rows]) for a in (x, y))
+    place = {k: NamedSharding(mesh, P() if k == "b4" else P("data", None)) for k in params}
+    fsdp = lambda tree: {k: jax.make_array_from_callback(a.shape, place[k], lambda i, a=a: a[i]) for k, a in tree.items()}
+    opt, p, states, losses = train_deep(fsdp(params), batch)
+    trace_count = opt.trace_count  # before lowering the step again below
+    hlo = opt._jit_step.lower(p, states[-1], jax.random.PRNGKey(0), batch, None,
+                              *(jnp.asarray(0.1),) * 3).compile().as_text()
+    gather = lambda tree: [np.asarray(a).tolist() for a in
+                           jax.tree_util.tree_leaves(multihost_utils.process_allgather(tree, tiled=True))]
+    est = states[-1].estimator_state
+    # A NaN in the last row of w3: on the last process's devices only.
+    params["w3"] = params["w3"].copy()
+    params["w3"][-1, 0] = np.nan
+    try:
+        opt.init(fsdp(params), jax.random.PRNGKey(1), batch)
+        nan_error = None
+    except ValueError as e:
+        nan_error = str(e)
+    return {
+        "losses": losses,
+        "trace_count": trace_count,
+        "params": gather(p),
+        "params_shards": [list(a.sharding.shard_shape(a.shape)) for a in jax.tree_util.tree_leaves(p)],
+        "state": gather(est),
+        # per curvature-state leaf: its shape and spec, its shards' shape, how many devices
+        # hold it in all, and the devices and shard shapes this process holds
+        "leaves": [
+            {"shape": list(a.shape), "spec": str(a.sharding.spec), "shard": list(a.sharding.shard_shape(a.shape)),
+             "devices": len(a.sharding.device_set), "fully_addressable": a.is_fully_addressable,
+             "local_devices": sorted(s.device.id for s in a.addressable_shards),
+             "local_shards": [list(s.data.shape) for s in a.addressable_shards]}
+            for a in jax.tree_util.tree_leaves(est)
+        ],
+        "same_placement_every_step": all(_specs(s) == _specs(states[-1]) for s in states),
+        "process_devices": sorted(d.id for d in jax.local_devices()),
+        "all_gather_shapes": [s for c in distributed.hlo_collectives(hlo) if c["op"] == "all-gather" for s in c["shapes"]],
+        # LAPACK calls (the decompositions) per branch of each conditional, and in all
+        "lapack_branches": distributed.hlo_branch_custom_calls(hlo, "lapack"),
+        "lapack_calls": hlo.count('custom_call_target="lapack'),
+        "nan_error": nan_error,
+    }
 
 
 if __name__ == "__main__":

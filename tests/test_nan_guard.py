@@ -351,3 +351,20 @@ def test_statistics_finiteness_test_is_exact_under_jit(bad):
             leaves = [x.at[...].set(3.0e38) if getattr(x, "ndim", 0) == 2 else x for x in leaves]
     got = jax.jit(estimators.statistics_are_finite)(jax.tree_util.tree_unflatten(treedef, leaves))
     assert bool(got) == (bad is None or np.isfinite(bad))
+
+
+def test_init_refuses_parameters_with_a_nan_naming_the_leaf():
+    """``init`` counts the non-finite entries of the first bad leaf (tree order) and names it;
+    integer leaves and traced parameters are not read (the multi-process case, leaves on other
+    processes' devices: tests/test_sharding.py)."""
+    from curvax.step import config
+
+    params = {"a": np.ones((2, 3)), "b": np.array([1.0, np.inf, np.nan]), "c": np.array([np.nan]), "n": np.arange(3)}
+    with pytest.raises(ValueError, match=r"hold 2 non-finite value\(s\) in \['b'\]"):
+        config.check_finite_params(params)
+    config.check_finite_params({"a": params["a"], "n": params["n"]})
+    jax.jit(lambda p: config.check_finite_params(p) or 0)(params)  # traced: unchecked
+    loss_fn, good, batch = plain_jax(jax.random.PRNGKey(0))
+    bad = jax.tree_util.tree_map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), good)
+    with pytest.raises(ValueError, match="`params` given to init hold 1 non-finite"):
+        _optimizer(loss_fn).init(bad, jax.random.PRNGKey(1), batch)

@@ -84,26 +84,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_over_loopback_match_one_device(reference):
+@pytest.fixture(scope="module")
+def loopback(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """``sharding_child.py process`` run as 2 processes of 2 CPU devices, joined over loopback:
+    each one's JSON result, in process order."""
     port = _free_port()
+    # Output goes to files: a child blocked on a full pipe while the other is read would stall
+    # both at the job's shutdown barrier (the results hold the gathered state: megabytes).
+    logs = tmp_path_factory.mktemp("loopback")
+    files = [(open(logs / f"{pid}.out", "w+"), open(logs / f"{pid}.err", "w+")) for pid in range(2)]
     procs = [
         subprocess.Popen([sys.executable, "sharding_child.py", "process", str(pid), "2", str(port)], cwd=HERE,
-                         env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for pid in range(2)
+                         env=_env(2), stdout=out, stderr=err, text=True)
+        for pid, (out, err) in enumerate(files)
     ]
+    try:
+        for p in procs:
+            p.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        for q in procs:
+            q.kill()
+        raise
     outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=600))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
+    for out, err in files:
+        outs.append(tuple(f.seek(0) or f.read() for f in (out, err)))
+        out.close()
+        err.close()
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     results = [_last_json(stdout) for stdout, _ in outs]
     assert [r["pid"] for r in results] == [0, 1]
-    for r in results:
+    return results
+
+
+def test_two_processes_over_loopback_match_one_device(reference, loopback):
+    for r in loopback:
         assert r["processes"] == 2 and r["devices"] == 4
         for config in child.CONFIGS:
             losses, params = reference[config]
@@ -111,6 +126,58 @@ def test_two_processes_over_loopback_match_one_device(reference):
             for got, want in zip(r[config]["params"], params):
                 np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, err_msg=config)
             assert r[config]["trace_count"] == 1
+
+
+def _rel_diff(got: list, want: list[np.ndarray]) -> float:
+    return max(float(np.max(np.abs(np.asarray(g) - w)) / max(1.0, float(np.max(np.abs(w))))) for g, w in zip(got, want))
+
+
+def test_two_processes_with_sharded_state_and_distributed_work_match_one_device(loopback):
+    """2 processes x 2 devices, FSDP-sharded parameters: the default splits the curvature state
+    over the 4 global devices and the refresh and preconditioning are distributed (on by
+    default). Three adaptive float64 steps with two refreshes give one device's losses,
+    parameters and curvature state to 1e-10; each process holds a quarter of each large
+    factor on each of its devices and nothing else; every device decomposes its own block and
+    an all-gather shares them; the step compiles once; a NaN on the other process's rows is
+    reported by both processes."""
+    with jax.enable_x64(True):
+        params, batch = child.deep_data()
+        _, p1, states1, l1 = child.train_deep(params, batch)
+        want_params = [np.asarray(a) for a in jax.tree_util.tree_leaves(p1)]
+        want_state = [np.asarray(a) for a in jax.tree_util.tree_leaves(states1[-1].estimator_state)]
+    for pid, full in enumerate(loopback):
+        r = full["fsdp"]
+        np.testing.assert_allclose(r["losses"], l1, rtol=1e-10)
+        assert r["losses"][-1] < r["losses"][0]
+        assert _rel_diff(r["params"], want_params) < 1e-10 and _rel_diff(r["state"], want_state) < 1e-10
+        # The parameters stay FSDP-sharded (b4, w1..w4: a quarter of each matrix's rows per device).
+        assert r["params_shards"] == [[8], [16, 128], [32, 64], [16, 64], [16, 8]]
+        assert r["trace_count"] == 1 and r["same_placement_every_step"]
+        assert len(r["process_devices"]) == 2
+        split = 0
+        for leaf in r["leaves"]:
+            shape = leaf["shape"]
+            # every leaf is on the 4 global devices; this process holds its own 2 shards only
+            assert leaf["devices"] == 4 and not leaf["fully_addressable"], leaf
+            assert leaf["local_devices"] == r["process_devices"], leaf
+            if len(shape) == 2 and shape[0] * shape[1] >= 4096 and shape[0] % 4 == 0:
+                assert leaf["spec"] == "P('data',)" and leaf["shard"] == [shape[0] // 4, shape[1]], leaf
+                split += 1
+            else:  # scalars, the 8 x 8 factor, the 65 x 65 one (4 does not divide 65)
+                assert leaf["spec"] == "P()" and leaf["shard"] == shape, leaf
+            assert leaf["local_shards"] == [leaf["shard"]] * 2, leaf
+        # The factors of w1, w2, w3 (64 and 128 wide) and their cached inverses.
+        assert split == 12 and any(leaf["shape"] == [65, 65] for leaf in r["leaves"])
+        # Decompositions are distributed: one conditional with a branch per global device, each
+        # decomposing one block's two factors, holds every LAPACK call of the step ...
+        per_device = [b for b in r["lapack_branches"] if len(b) == 4 and sum(b)]
+        assert len(per_device) == 1 and all(n > 0 for n in per_device[0]), r["lapack_branches"]
+        assert sum(per_device[0]) == r["lapack_calls"]
+        # ... and the all-gathers of one row per device share the results: one for the
+        # refresh, one for the preconditioned gradient.
+        rows = [s for s in r["all_gather_shapes"] if s.startswith("f64[4,") and s.count(",") == 1]
+        assert len(rows) == 2, r["all_gather_shapes"]
+        assert "1 non-finite value(s) in ['w3']" in r["nan_error"], (pid, r["nan_error"])
 
 
 def test_state_placement_is_left_to_jax_on_one_device():

@@ -381,16 +381,40 @@ def invalid_coefficients(cfg: StepConfig, lr: jax.Array, mom: jax.Array, damp: j
     return flags
 
 
+def _spans_other_processes(leaf: Any) -> bool:
+    """Whether ``leaf`` is a concrete array with shards on other processes' devices (multi-host)."""
+    try:
+        return isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+    except Exception:  # a tracer has no placement to read
+        return False
+
+
 def check_finite_params(params: Any) -> None:
     """``params`` given to ``init`` hold no NaN or infinity (``ValueError`` naming the leaf):
-    every update from such parameters would be skipped. Traced parameters pass unchecked."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    every update from such parameters would be skipped. Traced parameters pass unchecked.
+
+    A leaf with shards on other processes' devices cannot be read here: those leaves are
+    counted by one jitted reduction whose replicated result every process reads, so all the
+    processes agree on raising."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    counts: list[Any] = []
+    spread: list[int] = []  # indices of the leaves spanning other processes
+    for _, leaf in leaves:
+        if _spans_other_processes(leaf):
+            spread.append(len(counts))
+            counts.append(leaf)
+            continue
         try:
             arr = np.asarray(leaf)
         except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
             return
-        if np.issubdtype(arr.dtype, np.inexact) and not np.all(np.isfinite(arr)):
-            bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+        counts.append(int(arr.size - np.count_nonzero(np.isfinite(arr))) if np.issubdtype(arr.dtype, np.inexact) else 0)
+    if spread:
+        count = lambda x: jnp.sum(~jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros((), jnp.int32)
+        for i, n in zip(spread, jax.jit(lambda xs: [count(x) for x in xs])([counts[i] for i in spread])):
+            counts[i] = int(n)
+    for (path, _), bad in zip(leaves, counts):
+        if bad:
             raise ValueError(
                 f"`params` given to init hold {bad} non-finite value(s) in {jax.tree_util.keystr(path) or 'the root'}: "
                 "every update from them would be skipped."
