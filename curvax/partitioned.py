@@ -18,7 +18,8 @@ number: a batched ``eigh``/Cholesky on accelerators, a ``lax.map`` (one loop, on
 time) on CPU. On CPU jaxlib 0.10 spreads a batched LAPACK call over XLA's intra-op thread
 pool and blocks until its pieces finish: two such calls running at once (the two groups of a
 layout, or two layers) can take every pool thread and wait forever -- a 768 -> 50257 head hung
-on its second refresh on a 2-core machine (``benchmarks/partitioned_head.py``).
+on its second refresh on a 2-core machine (``benchmarks/partitioned_head.py``). See
+``linalg.map_decompositions``.
 
 The budget (``factor_budget``, bytes per factor) is an option of ``BlockDiagonalCurvature`` and
 ``curvax.Optimizer``; ``DEFAULT_FACTOR_BUDGET`` is 256 MiB, the size of a float32 factor of side
@@ -247,28 +248,16 @@ def _apply(layout: FactorLayout, mats: Factor, v: Array, axis: int, transpose: b
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
 
 
-def _per_block(fn: Callable[[Array], Any], mats: Array) -> Any:
-    """``fn`` on every ``(size, size)`` block of ``mats`` (``(count, size, size)``), outputs stacked.
-
-    One program for any ``count``: ``vmap`` (a batched decomposition) on accelerators, a
-    ``lax.map`` on CPU, where jaxlib's batched LAPACK calls can deadlock each other (see the
-    module docstring). The choice is made per platform when the step is lowered.
-    """
-    if mats.shape[0] == 1:
-        return jax.tree_util.tree_map(lambda x: x[None], fn(mats[0]))
-    return jax.lax.platform_dependent(mats, cpu=lambda m: jax.lax.map(fn, m), default=jax.vmap(fn))
-
-
 def _eigh(layout: FactorLayout, mats: Factor) -> tuple[Array, Factor]:
     """Eigenvalues (flat, block order, clipped at 0) and eigenvectors (per group) of every block:
-    one decomposition program per group of equal-sized blocks (``_per_block``)."""
+    one decomposition program per group of equal-sized blocks (``linalg.map_decompositions``)."""
     values, vectors = [], []
     for (_, c, b), m in zip(layout.groups, mats):
         if b == 1:
             values.append(jnp.maximum(m[:, 0, 0], 0))
             vectors.append(jnp.ones_like(m))
         else:
-            s, q = _per_block(linalg.safe_psd_eigh, m)
+            s, q = linalg.map_decompositions(linalg.safe_psd_eigh, m)
             values.append(s.reshape(-1))
             vectors.append(q)
     return jnp.concatenate(values) if len(values) > 1 else values[0], tuple(vectors)
@@ -276,14 +265,14 @@ def _eigh(layout: FactorLayout, mats: Factor) -> tuple[Array, Factor]:
 
 def _eigvalsh(layout: FactorLayout, mats: Factor) -> Array:
     vals = [
-        jnp.maximum(m[:, 0, 0], 0) if b == 1 else _per_block(linalg.safe_eigvalsh, m).reshape(-1)
+        jnp.maximum(m[:, 0, 0], 0) if b == 1 else linalg.map_decompositions(linalg.safe_eigvalsh, m).reshape(-1)
         for (_, _, b), m in zip(layout.groups, mats)
     ]
     return jnp.concatenate(vals) if len(vals) > 1 else vals[0]
 
 
 def _inv(layout: FactorLayout, mats: Factor) -> Factor:
-    return tuple(1 / m if b == 1 else _per_block(linalg.psd_inv, m) for (_, _, b), m in zip(layout.groups, mats))
+    return tuple(1 / m if b == 1 else linalg.map_decompositions(linalg.psd_inv, m) for (_, _, b), m in zip(layout.groups, mats))
 
 
 def _power(layout: FactorLayout, mats: Factor, power: Numeric) -> Factor:
@@ -292,7 +281,7 @@ def _power(layout: FactorLayout, mats: Factor, power: Numeric) -> Factor:
         return (q * linalg._pow(s, power)) @ q.T
 
     return tuple(
-        linalg._pow(jnp.maximum(m, 0), power) if b == 1 else _per_block(one, m)
+        linalg._pow(jnp.maximum(m, 0), power) if b == 1 else linalg.map_decompositions(one, m)
         for (_, _, b), m in zip(layout.groups, mats)
     )
 

@@ -446,3 +446,27 @@ def test_operators_work_block_by_block_with_a_partitioned_block():
     # The factored (approximate) inverse inverts a partitioned block exactly, like other non-Kronecker blocks.
     approx = K.inverse(LAM, exact=False) @ jnp.asarray(v)
     assert np.all(np.isfinite(np.asarray(approx)))
+
+
+@pytest.mark.usefixtures("x64")
+def test_map_decompositions_equals_the_batched_call_and_never_batches_lapack_on_cpu():
+    # Slices of a pytree in, a pytree out, float64: the same numbers as the batched (vmapped) call.
+    x = jax.random.normal(jax.random.PRNGKey(3), (5, 7, 7), jnp.float64)
+    m = x @ jnp.swapaxes(x, -1, -2) + 0.1 * jnp.eye(7)
+    scale = jnp.arange(1.0, 6.0)
+
+    def fn(mi, si):
+        s, q = curvax.linalg.safe_psd_eigh(mi * si)
+        return {"inv": curvax.linalg.psd_inv(mi), "values": s, "vectors": q}
+
+    got = jax.jit(lambda a, b: curvax.linalg.map_decompositions(fn, a, b))(m, scale)
+    want = jax.vmap(fn)(m, scale)
+    np.testing.assert_allclose(got["inv"], np.linalg.inv(np.asarray(m)), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(got["values"], want["values"], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.abs(got["vectors"]), np.abs(want["vectors"]), atol=1e-10)
+    one = curvax.linalg.map_decompositions(fn, m[:1], scale[:1])
+    np.testing.assert_allclose(one["inv"], got["inv"][:1], rtol=1e-12)
+    if jax.default_backend() == "cpu":
+        text = jax.jit(lambda a, b: curvax.linalg.map_decompositions(fn, a, b)).lower(m, scale).compile().as_text()
+        shapes = re.findall(r'= \(?f64\[([\d,]*)\][^\n]*custom_call_target="lapack_d(?:potrf|syevd)', text)
+        assert shapes and set(shapes) == {"7,7"}
