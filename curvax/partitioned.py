@@ -17,8 +17,8 @@ The blocks of a group of equal-sized blocks are decomposed by one program whatev
 number: a batched ``eigh``/Cholesky on accelerators, a ``lax.map`` (one loop, one block at a
 time) on CPU. On CPU jaxlib 0.10 spreads a batched LAPACK call over XLA's intra-op thread
 pool and blocks until its pieces finish: two such calls running at once (the two groups of a
-layout, or two layers) can take every pool thread and wait forever -- a 768 -> 50257 head hung
-on its second refresh on a 2-core machine (``benchmarks/partitioned_head.py``). See
+layout, or two layers) can take every pool thread and wait forever -- a 768 -> 50257 head's refresh
+hung on a 2-core machine (``benchmarks/partitioned_head.py``). See
 ``linalg.map_decompositions``.
 
 The budget (``factor_budget``, bytes per factor) is an option of ``BlockDiagonalCurvature`` and
