@@ -464,7 +464,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         factor gets a ``DensePartitionedKroneckerFactored``, only that factor split into diagonal
         blocks (``block_notes`` says why). None disables it. Default ``DEFAULT_FACTOR_BUDGET`` (256 MiB).
       oversized_factor: an over-budget factor becomes ``"partition"`` (the largest blocks fitting
-        the budget), ``"diagonal"``, or an int: blocks of at most that side. Default ``"partition"``.
+        the budget, at most 2048), ``"diagonal"``, or an int: blocks of at most that side. Default ``"partition"``.
       auto_register_kwargs: further options of the layer detection: ``register_only_generic``
         (generic blocks for everything not registered by hand), ``patterns_to_skip`` (pattern
         names not to match, see ``curvax.detection.known_pattern_names()``) and

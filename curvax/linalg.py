@@ -12,7 +12,7 @@ program needs no global x64 flag), else an SVD (eigh) or a diagonal solve
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,23 @@ Numeric = Any
 def symmetrize(m: Array) -> Array:
     """``(m + m^T) / 2``: removes the asymmetry accumulated by float round-off."""
     return (m + jnp.swapaxes(m, -1, -2)) / 2
+
+
+def map_decompositions(fn: Callable[..., Any], *xs: Any) -> Any:
+    """``fn`` on every slice of ``xs`` along their leading axis, outputs stacked: ``vmap`` on
+    accelerators, a ``lax.map`` (one loop, one slice at a time) on CPU.
+
+    For functions that decompose matrices (``eigh``, Cholesky). On CPU jaxlib 0.10 spreads a
+    batched LAPACK call over XLA's intra-op thread pool and blocks until its pieces finish;
+    when as many batched calls as the pool has threads run at once (two on a 2-core machine),
+    each holds a thread waiting for pieces that no free thread runs: the program hangs.
+    A ``lax.map`` body holds one unbatched call, and the program stays one loop whatever the
+    number of slices. The branch is chosen per platform when the program is lowered.
+    """
+    n = jax.tree_util.tree_leaves(xs)[0].shape[0]
+    if n == 1:
+        return jax.tree_util.tree_map(lambda y: y[None], fn(*jax.tree_util.tree_map(lambda x: x[0], xs)))
+    return lax.platform_dependent(*xs, cpu=lambda *a: lax.map(lambda t: fn(*t), a), default=jax.vmap(fn))
 
 
 def gram(x: Array, min_split: int = 400) -> Array:

@@ -9,8 +9,17 @@ diagonal; the Kronecker structure stays: ``C ~= A_part (x) G_part``. Only the fa
 exceed the budget change, so the head keeps its whole 769 x 769 ``A``.
 
 Memory and work scale with the partition: a factor of side ``n`` in blocks of side ``<= b``
-holds ``n b`` numbers, its refresh costs ``n b^2`` (one batched ``eigh``/Cholesky per group of
-equal-sized blocks) and its products ``n b`` per column. The whole factor is never formed.
+holds ``n b`` numbers, its refresh costs ``n b^2`` and its products ``n b`` per column. The
+whole factor is never formed. ``"partition"`` caps ``b`` at ``MAX_BLOCK_SIDE`` (2048) even when the
+budget allows more, so the refresh grows only linearly with the side.
+
+The blocks of a group of equal-sized blocks are decomposed by one program whatever their
+number: a batched ``eigh``/Cholesky on accelerators, a ``lax.map`` (one loop, one block at a
+time) on CPU. On CPU jaxlib 0.10 spreads a batched LAPACK call over XLA's intra-op thread
+pool and blocks until its pieces finish: two such calls running at once (the two groups of a
+layout, or two layers) can take every pool thread and wait forever -- a 768 -> 50257 head's refresh
+hung on a 2-core machine (``benchmarks/partitioned_head.py``). See
+``linalg.map_decompositions``.
 
 The budget (``factor_budget``, bytes per factor) is an option of ``BlockDiagonalCurvature`` and
 ``curvax.Optimizer``; ``DEFAULT_FACTOR_BUDGET`` is 256 MiB, the size of a float32 factor of side
@@ -39,6 +48,7 @@ Factor = tuple  # one (count, size, size) array per group of equal-sized diagona
 
 __all__ = [
     "DEFAULT_FACTOR_BUDGET",
+    "MAX_BLOCK_SIDE",
     "FactorLayout",
     "DensePartitionedKroneckerFactored",
     "check_factor_budget",
@@ -56,6 +66,11 @@ __all__ = [
 # eigenvectors and the solver's workspace take about 1 GiB: beyond that the refresh dominates
 # the step and the memory outgrows the layer's own parameters.
 DEFAULT_FACTOR_BUDGET = 256 * 2**20
+
+# The largest block side ``"partition"`` picks, whatever the budget allows (Distributed Shampoo
+# partitions its preconditioners in blocks of 1024-2048): a factor of side n then refreshes in
+# at most n x 2048^2 flops, linear in n, and its products cost at most 2048 per entry.
+MAX_BLOCK_SIDE = 2048
 
 OVERSIZED_MODES = ("partition", "diagonal")
 
@@ -168,27 +183,33 @@ def plan_factor(side: int, itemsize: int, factor_budget: int | None, oversized: 
     """The block side bound of a factor and why: ``(side, None)`` when it fits the budget.
 
     Over the budget: ``"partition"`` takes the largest blocks whose total (``side x block``
-    numbers) fits it, the diagonal when not even blocks of side 2 do; ``"diagonal"`` the
-    diagonal; an int that bound.
+    numbers) fits it, at most ``MAX_BLOCK_SIDE``, the diagonal when not even blocks of side 2
+    fit; ``"diagonal"`` the diagonal; an int that bound. The reason names the choice and what
+    decided it (the budget, the cap or the option).
     """
     full = side * side * itemsize
     if factor_budget is None or full <= factor_budget:
         return side, None
+    fits = factor_budget // (side * itemsize)  # the largest block side whose blocks fit the budget
     if oversized == "diagonal":
-        block = 1
+        block, because = 1, "oversized_factor='diagonal'"
     elif isinstance(oversized, int):
-        block = min(oversized, side)
+        block, because = min(oversized, side), f"oversized_factor={oversized}"
+    elif fits < 2:
+        block, because = 1, "not even blocks of side 2 fit the budget"
+    elif fits > MAX_BLOCK_SIDE:
+        block, because = MAX_BLOCK_SIDE, f"block side capped at MAX_BLOCK_SIDE={MAX_BLOCK_SIDE} to bound the refresh"
     else:
-        block = factor_budget // (side * itemsize)
-        block = 1 if block < 2 else block
+        block, because = fits, "the largest blocks within the budget"
     layout = FactorLayout(side, block)
     why = f"{side}\u00b2 x {itemsize} B = {format_bytes(full)} > budget {format_bytes(factor_budget)}: "
     if layout.is_diagonal:
-        why += f"diagonal ({format_bytes(side * itemsize)}{', still over the budget' if side * itemsize > factor_budget else ''})"
+        over = ", still over the budget" if side * itemsize > factor_budget else ""
+        why += f"diagonal ({format_bytes(side * itemsize)}{over}; {because})"
     elif layout.is_whole:
-        why += f"kept whole (oversized_factor={oversized!r})"
+        why += f"kept whole ({because})"
     else:
-        why += f"partitioned into {layout.num_blocks} blocks of <= {layout.largest} ({format_bytes(layout.nbytes(itemsize))})"
+        why += f"partitioned into {layout.num_blocks} blocks of <= {layout.largest} ({format_bytes(layout.nbytes(itemsize))}; {because})"
     return block, why
 
 
@@ -229,37 +250,40 @@ def _apply(layout: FactorLayout, mats: Factor, v: Array, axis: int, transpose: b
 
 def _eigh(layout: FactorLayout, mats: Factor) -> tuple[Array, Factor]:
     """Eigenvalues (flat, block order, clipped at 0) and eigenvectors (per group) of every block:
-    one batched decomposition per group of equal-sized blocks."""
+    one decomposition program per group of equal-sized blocks (``linalg.map_decompositions``)."""
     values, vectors = [], []
     for (_, c, b), m in zip(layout.groups, mats):
         if b == 1:
             values.append(jnp.maximum(m[:, 0, 0], 0))
             vectors.append(jnp.ones_like(m))
         else:
-            s, q = linalg.safe_psd_eigh(m)  # batched over the group's blocks
+            s, q = linalg.map_decompositions(linalg.safe_psd_eigh, m)
             values.append(s.reshape(-1))
             vectors.append(q)
     return jnp.concatenate(values) if len(values) > 1 else values[0], tuple(vectors)
 
 
 def _eigvalsh(layout: FactorLayout, mats: Factor) -> Array:
-    vals = [jnp.maximum(m[:, 0, 0], 0) if b == 1 else linalg.safe_eigvalsh(m).reshape(-1) for (_, _, b), m in zip(layout.groups, mats)]
+    vals = [
+        jnp.maximum(m[:, 0, 0], 0) if b == 1 else linalg.map_decompositions(linalg.safe_eigvalsh, m).reshape(-1)
+        for (_, _, b), m in zip(layout.groups, mats)
+    ]
     return jnp.concatenate(vals) if len(vals) > 1 else vals[0]
 
 
 def _inv(layout: FactorLayout, mats: Factor) -> Factor:
-    return tuple(1 / m if b == 1 else jax.vmap(linalg.psd_inv)(m) for (_, _, b), m in zip(layout.groups, mats))
+    return tuple(1 / m if b == 1 else linalg.map_decompositions(linalg.psd_inv, m) for (_, _, b), m in zip(layout.groups, mats))
 
 
 def _power(layout: FactorLayout, mats: Factor, power: Numeric) -> Factor:
-    out = []
-    for (_, _, b), m in zip(layout.groups, mats):
-        if b == 1:
-            out.append(linalg._pow(jnp.maximum(m, 0), power))
-        else:
-            s, q = linalg.safe_psd_eigh(m)
-            out.append((q * linalg._pow(s, power)[:, None, :]) @ jnp.swapaxes(q, -1, -2))
-    return tuple(out)
+    def one(m: Array) -> Array:
+        s, q = linalg.safe_psd_eigh(m)
+        return (q * linalg._pow(s, power)) @ q.T
+
+    return tuple(
+        linalg._pow(jnp.maximum(m, 0), power) if b == 1 else linalg.map_decompositions(one, m)
+        for (_, _, b), m in zip(layout.groups, mats)
+    )
 
 
 def _trace(mats: Factor) -> Array:
@@ -327,8 +351,9 @@ class DensePartitionedKroneckerFactored(blocks._DenseKroneckerMixin, blocks.Curv
       factor_budget: bytes a factor may take before it is partitioned (for a size left None);
         None never partitions. Default ``DEFAULT_FACTOR_BUDGET`` (256 MiB).
       oversized_factor: what an over-budget factor becomes: ``"partition"`` (the largest
-        blocks whose total fits the budget; the diagonal when even side 2 does not),
-        ``"diagonal"``, or an int: blocks of at most that side. Default ``"partition"``.
+        blocks whose total fits the budget, at most ``MAX_BLOCK_SIDE``; the diagonal when even
+        side 2 does not), ``"diagonal"``, or an int: blocks of at most that side. Default
+        ``"partition"``.
 
     Cache (as ``TwoKroneckerFactored``'s, factors kept per group of equal-sized blocks):
     ``"inputs_factor_eigenvalues"`` (``d_in + 1``,), ``"outputs_factor_eigenvalues"``,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from curvax import tags
+from curvax import linalg, tags
 from curvax.blocks import CurvatureBlock, Numeric, ScalarOrSequence, construct_block
 
 
@@ -82,15 +82,18 @@ class StackedBlock(CurvatureBlock):
         mul = lambda s, v: self.inner.multiply_matpower(s, v, identity_weight, power, exact_power, use_cached)
         return tuple(jax.vmap(mul)(state, vec))
 
+    # Those that decompose the slices' factors map over the slices one at a time on CPU, where
+    # batched LAPACK calls can deadlock each other (``linalg.map_decompositions``).
+
     def inverse_diagonal(self, state: Any, identity_weight: Numeric) -> tuple:
-        return tuple(jax.vmap(lambda s: self.inner.inverse_diagonal(s, identity_weight))(state))
+        return tuple(linalg.map_decompositions(lambda s: self.inner.inverse_diagonal(s, identity_weight), state))
 
     def eigenvalues(self, state: Any, use_cached: bool) -> Any:
-        return jnp.ravel(jax.vmap(lambda s: self.inner.eigenvalues(s, use_cached))(state))
+        return jnp.ravel(linalg.map_decompositions(lambda s: self.inner.eigenvalues(s, use_cached), state))
 
     def update_cache(self, state: Any, identity_weight: Numeric, exact_powers: ScalarOrSequence, approx_powers: ScalarOrSequence, eigenvalues: bool) -> Any:
         update = lambda s: self.inner.update_cache(s, identity_weight, exact_powers, approx_powers, eigenvalues)
-        return jax.vmap(update)(state)
+        return linalg.map_decompositions(update, state)
 
     def to_dense_matrix(self, state: Any) -> Any:
         per_slice = jax.vmap(self.inner.to_dense_matrix)(state)  # (L, n, n) in per-slice parameter order

@@ -9,6 +9,7 @@ exactly for layers whose factor exceeds the budget, and the registration table s
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.extend
@@ -73,7 +74,8 @@ def test_language_model_head_under_the_default_budget():
     lg = block.outputs_layout
     assert (lg.num_blocks, lg.largest) == (38, 1323) and lg.nbytes(4) <= curvax.DEFAULT_FACTOR_BUDGET
     assert block.budget_note == (
-        "outputs factor 50257\u00b2 x 4 B = 9.41 GiB > budget 256 MiB: partitioned into 38 blocks of <= 1323 (254 MiB)"
+        "outputs factor 50257\u00b2 x 4 B = 9.41 GiB > budget 256 MiB: partitioned into 38 blocks of <= 1323 "
+        "(254 MiB; the largest blocks within the budget)"
     )
     # The automatic choice replaces only the default block, and only when a factor is over budget.
     ctor = partitioned.ctor_within_budget(blocks.DenseTwoKroneckerFactored, eqn, "head", curvax.DEFAULT_FACTOR_BUDGET, "partition")
@@ -83,11 +85,32 @@ def test_language_model_head_under_the_default_budget():
     assert partitioned.ctor_within_budget(blocks.DenseTwoKroneckerFactored, eqn, "head", None, "partition") is blocks.DenseTwoKroneckerFactored
     # Diagonal on request; and when not even blocks of side 2 fit.
     diag = DensePartitionedKroneckerFactored(eqn, "head", oversized_factor="diagonal")
-    assert diag.outputs_layout.is_diagonal and diag.budget_note.endswith("diagonal (196 KiB)")
+    assert diag.outputs_layout.is_diagonal and diag.budget_note.endswith("diagonal (196 KiB; oversized_factor='diagonal')")
     budget = 50257 * 4 + 1  # G: not even blocks of side 2 fit; A (769^2 x 4 B) over it too: blocks of <= 65
     tiny = DensePartitionedKroneckerFactored(eqn, "head", factor_budget=budget)
     assert tiny.outputs_layout.is_diagonal and tiny.inputs_layout.largest <= 65 < 2 * tiny.inputs_layout.largest
     assert tiny.inputs_layout.nbytes(4) <= budget and tiny.outputs_layout.nbytes(4) <= budget
+    assert "outputs factor 50257\u00b2 x 4 B = 9.41 GiB > budget 196 KiB: diagonal (196 KiB; not even blocks of side 2 fit the budget)" in tiny.budget_note
+
+
+def test_partition_caps_the_block_side_where_the_budget_allows_larger_blocks():
+    # 768 -> 16384, float32: G is 1 GiB; 256 MiB would allow blocks of 4096, the cap keeps them <= 2048,
+    # so the refresh (sum of block sides cubed) is 4x smaller and still linear in the side.
+    eqn = tags_eqn(768, 16384, jnp.float32)
+    block = DensePartitionedKroneckerFactored(eqn, "wide")
+    lg = block.outputs_layout
+    assert (lg.num_blocks, lg.largest) == (8, partitioned.MAX_BLOCK_SIDE) == (8, 2048)
+    assert block.budget_note == (
+        "outputs factor 16384\u00b2 x 4 B = 1 GiB > budget 256 MiB: partitioned into 8 blocks of <= 2048 "
+        "(128 MiB; block side capped at MAX_BLOCK_SIDE=2048 to bound the refresh)"
+    )
+    # Exactly at the cap the budget still decides: 2048 x side x 4 B fits a budget of that size.
+    assert partitioned.plan_factor(16384, 4, 2048 * 16384 * 4, "partition")[0] == 2048
+    assert partitioned.plan_factor(16384, 4, 2047 * 16384 * 4 + 3, "partition")[0] == 2047
+    # An explicit block side is taken as given, above the cap too.
+    assert partitioned.plan_factor(16384, 4, 2**28, 4096) == (
+        4096, "16384\u00b2 x 4 B = 1 GiB > budget 256 MiB: partitioned into 4 blocks of <= 4096 (256 MiB; oversized_factor=4096)"
+    )
 
 
 def test_state_and_every_intermediate_scale_with_the_partition():
@@ -112,6 +135,41 @@ def test_state_and_every_intermediate_scale_with_the_partition():
     state_shapes = jax.eval_shape(run, jax.random.PRNGKey(0))[0]
     g_bytes = sum(x.value.size * 4 for x in state_shapes.outputs_factor)
     assert g_bytes == block.outputs_layout.nbytes(4) < 50257**2 * 4 / 30
+
+
+def _lapack_calls(num_blocks_side: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(target, matrix shape) of every LAPACK custom call in the compiled CPU refresh (exact
+    eigenvectors, eigenvalues and the approximate inverse) of a 5 -> 198 layer whose ``G`` is in
+    blocks of side <= ``num_blocks_side``."""
+    block = DensePartitionedKroneckerFactored(tags_eqn(5, 198, jnp.float32), "l", outputs_block_size=num_blocks_side)
+
+    def refresh(rng):
+        return block.update_cache(block.init(rng, [-1], [-1], True), LAM, [-1], [-1], True)
+
+    text = jax.jit(refresh).lower(jax.random.PRNGKey(0)).compile().as_text()
+    calls = []
+    for line in text.splitlines():
+        target = re.search(r'custom_call_target="(lapack_\w+)"', line)
+        if target:
+            shape = re.search(r"= \(?[a-z]+\d+\[([\d,]*)\]", line).group(1)
+            calls.append((target.group(1), tuple(int(d) for d in shape.split(","))))
+    return calls
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU program's LAPACK calls")
+def test_refresh_program_does_not_grow_with_the_blocks_and_never_batches_lapack_on_cpu():
+    # G of side 198 in 4 blocks (2 of 50, 2 of 49) or 16 (6 of 13, 10 of 12): two groups either way.
+    four, sixteen = FactorLayout(198, 50), FactorLayout(198, 13)
+    assert (four.num_blocks, len(four.groups), sixteen.num_blocks, len(sixteen.groups)) == (4, 2, 16, 2)
+    calls4, calls16 = _lapack_calls(50), _lapack_calls(13)
+    targets = lambda calls: sorted(t for t, _ in calls)
+    # The same calls, one per group and kind (plus the whole A's), whatever the number of blocks ...
+    assert targets(calls4) == targets(calls16)
+    assert sum("potrf" in t for t in targets(calls16)) == 3 and sum("syevd" in t for t in targets(calls16)) >= 3
+    # ... and each on one matrix: jaxlib 0.10 spreads a batched LAPACK call over the intra-op pool
+    # and waits for it, and two at once deadlocked a 768 -> 50257 head's refresh on 2 cores.
+    assert {shape for _, shape in calls16 if shape[0] != 6} == {(13, 13), (12, 12)}
+    assert all(len(shape) == 2 for _, shape in calls4 + calls16)
 
 
 def _all_vars(jaxpr):
@@ -322,7 +380,10 @@ def test_budget_chooses_the_partitioned_block_exactly_when_a_factor_exceeds_it(b
                 assert layout.is_whole == (side * side * 4 <= budget)
                 assert layout.is_whole or layout.nbytes(4) <= budget
     if budget == 30 * 30 * 4 - 1:
-        assert est.block_notes[1] == "outputs factor 30\u00b2 x 4 B = 3.52 KiB > budget 3.51 KiB: partitioned into 2 blocks of <= 15 (1.76 KiB)"
+        assert est.block_notes[1] == (
+            "outputs factor 30\u00b2 x 4 B = 3.52 KiB > budget 3.51 KiB: partitioned into 2 blocks of <= 15 (1.76 KiB; "
+            "the largest blocks within the budget)"
+        )
 
 
 def test_registration_table_names_partitioned_layers_and_why():
@@ -385,3 +446,27 @@ def test_operators_work_block_by_block_with_a_partitioned_block():
     # The factored (approximate) inverse inverts a partitioned block exactly, like other non-Kronecker blocks.
     approx = K.inverse(LAM, exact=False) @ jnp.asarray(v)
     assert np.all(np.isfinite(np.asarray(approx)))
+
+
+@pytest.mark.usefixtures("x64")
+def test_map_decompositions_equals_the_batched_call_and_never_batches_lapack_on_cpu():
+    # Slices of a pytree in, a pytree out, float64: the same numbers as the batched (vmapped) call.
+    x = jax.random.normal(jax.random.PRNGKey(3), (5, 7, 7), jnp.float64)
+    m = x @ jnp.swapaxes(x, -1, -2) + 0.1 * jnp.eye(7)
+    scale = jnp.arange(1.0, 6.0)
+
+    def fn(mi, si):
+        s, q = curvax.linalg.safe_psd_eigh(mi * si)
+        return {"inv": curvax.linalg.psd_inv(mi), "values": s, "vectors": q}
+
+    got = jax.jit(lambda a, b: curvax.linalg.map_decompositions(fn, a, b))(m, scale)
+    want = jax.vmap(fn)(m, scale)
+    np.testing.assert_allclose(got["inv"], np.linalg.inv(np.asarray(m)), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(got["values"], want["values"], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.abs(got["vectors"]), np.abs(want["vectors"]), atol=1e-10)
+    one = curvax.linalg.map_decompositions(fn, m[:1], scale[:1])
+    np.testing.assert_allclose(one["inv"], got["inv"][:1], rtol=1e-12)
+    if jax.default_backend() == "cpu":
+        text = jax.jit(lambda a, b: curvax.linalg.map_decompositions(fn, a, b)).lower(m, scale).compile().as_text()
+        shapes = re.findall(r'= \(?f64\[([\d,]*)\][^\n]*custom_call_target="lapack_d(?:potrf|syevd)', text)
+        assert shapes and set(shapes) == {"7,7"}
