@@ -921,7 +921,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         product = lambda b: lambda svw: b.multiply_matpower(svw[0], svw[1], svw[2], power, exact_power, use_cached)
         on = distribution is not None and distribution.precon_apply and self.distributed_multiplies
         out = distributed.map_blocks([product(b) for b in self._blocks], list(operands), [_apply_cost(b) for b in self._blocks], distribution, on,  # type: ignore[union-attr]
-                                     split=[(True, False, False)] * len(self._blocks))  # type: ignore[arg-type]
+                                     split=[(True, True, False)] * len(self._blocks), split_outputs=True)  # type: ignore[arg-type]
         return self.blocks_vectors_to_params_vector(out)
 
     def block_eigenvalues(self, state, use_cached) -> tuple[jax.Array, ...]:

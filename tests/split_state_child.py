@@ -34,27 +34,35 @@ from curvax import distributed, parallel  # noqa: E402
 
 BATCH = 32
 COEFFS = (0.1, 0.5, 0.1)  # learning rate, momentum, damping
-CONFIGS = {"approximate": {}, "exact": {"use_exact_inverses": True}}
+# name -> (Optimizer arguments, layer widths, mesh shape): a one-axis mesh, and a 2 x 2 mesh where a
+# side of 66 is split over one axis only (4 does not divide it; 2 does) and copied over the other.
+CONFIGS: dict[str, tuple[dict[str, Any], tuple[int, ...], tuple[int, ...]]] = {
+    "approximate": ({}, (64, 128, 64, 8), (-1,)),
+    "exact": ({"use_exact_inverses": True}, (64, 128, 64, 8), (-1,)),
+    "mesh2x2": ({}, (64, 132, 66, 8), (2, 2)),
+}
 
 
 def loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """A tanh MLP 64 -> 128 -> 64 -> 8: factors of sides 64 and 128 (split over 2 or 4 devices), 65
-    (no mesh size divides it: replicated) and 8 (small: replicated); six blocks' worth of factors
-    over three blocks, so owners differ."""
+    """A tanh MLP with a squared-error loss and a bias on the last layer only. Widths 64 -> 128 ->
+    64 -> 8: factors of sides 64 and 128 (split over 2 or 4 devices), 65 (no mesh size divides
+    it: replicated) and 8 (small: replicated); three blocks, so owners differ."""
     x, y = batch
-    h = jnp.tanh(x @ params["w1"])
-    h = jnp.tanh(h @ params["w2"])
-    out = h @ params["w3"] + params["b3"]
+    layers = sorted(k for k in params if k.startswith("w"))
+    for k in layers[:-1]:
+        x = jnp.tanh(x @ params[k])
+    out = x @ params[layers[-1]] + params["b"]
     curvax.register_squared_error_loss(out, y)
     return 0.5 * jnp.mean(jnp.sum((out - y) ** 2, axis=-1))
 
 
-def data() -> tuple[Any, Any]:
-    k = jax.random.split(jax.random.PRNGKey(5), 5)
-    params = {"w1": jax.random.normal(k[0], (64, 128), jnp.float64) / 8,
-              "w2": jax.random.normal(k[1], (128, 64), jnp.float64) / 11,
-              "w3": jax.random.normal(k[2], (64, 8), jnp.float64) / 8, "b3": jnp.zeros(8, jnp.float64)}
-    batch = (jax.random.normal(k[3], (BATCH, 64), jnp.float64), jax.random.normal(k[4], (BATCH, 8), jnp.float64))
+def data(widths: tuple[int, ...]) -> tuple[Any, Any]:
+    k = jax.random.split(jax.random.PRNGKey(5), len(widths) + 1)
+    params = {f"w{i}": jax.random.normal(k[i], (a, b), jnp.float64) / np.sqrt(a)
+              for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))}
+    params["b"] = jnp.zeros(widths[-1], jnp.float64)
+    batch = (jax.random.normal(k[-2], (BATCH, widths[0]), jnp.float64),
+             jax.random.normal(k[-1], (BATCH, widths[-1]), jnp.float64))
     return jax.tree_util.tree_map(np.asarray, (params, batch))
 
 
@@ -91,13 +99,14 @@ def rel_diff(a: Any, b: Any) -> float:
 def main() -> None:
     jax.config.update("jax_enable_x64", True)
     n = jax.device_count()
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    params, batch = data()
-    one = jax.devices()[0]
-    fsdp = {k: NamedSharding(mesh, P() if k == "b3" else P("data", None)) for k in params}
-    sharded_batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     out: dict[str, Any] = {"devices": n, "configs": {}}
-    for name, kw in CONFIGS.items():
+    one = jax.devices()[0]
+    for name, (kw, widths, shape) in CONFIGS.items():
+        mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data",) if len(shape) == 1 else ("a", "b"))
+        params, batch = data(widths)
+        # FSDP: every weight split by rows as the state would be (over the mesh axes dividing them).
+        fsdp = {k: NamedSharding(mesh, parallel.split_spec(v.shape, mesh, 1) if k != "b" else P()) for k, v in params.items()}
+        sharded_batch = jax.device_put(batch, NamedSharding(mesh, P(mesh.axis_names)))
         _, p1, s1 = train(jax.device_put(params, one), jax.device_put(batch, one), **kw)
         opt, pn, sn = train(jax.device_put(params, fsdp), sharded_batch, **kw)
         est = sn.estimator_state
@@ -111,7 +120,8 @@ def main() -> None:
             "old_split_state": bool(old._program.distribution.split_state),
             "max_param_rel_diff": rel_diff(pn, p1),
             # A cached eigenbasis may differ from one device's in its vectors' signs (the factors
-            # differ in the last bits: sums in another order): exact where the math says so.
+            # differ in the last bits: sums in another order), so the state is also compared
+            # with the old path's on the same devices.
             "max_state_rel_diff": rel_diff(est, s1.estimator_state),
             "max_param_rel_diff_old": rel_diff(pn, po),
             "max_state_rel_diff_old": rel_diff(est, so.estimator_state),
