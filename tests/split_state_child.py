@@ -4,7 +4,7 @@ state stored split over N CPU devices, in float64.
 ``python split_state_child.py N`` trains a three-layer MLP with FSDP-sharded parameters (the
 default then splits the curvature state by rows) on N devices and the same on one device, and
 prints one JSON line: per configuration (approximate inverses; exact ones, i.e. cached
-eigendecompositions), the largest relative parameter and state differences after burn-in and 3
+eigendecompositions; a 2 x 2 mesh with a factor split over one axis only), the largest relative parameter and state differences after burn-in and 3
 steps (inverses refreshed at steps 0 and 2), the placements of the state, the collectives of
 the compiled step, the whole split factors' shapes, and the same collectives when the step is
 compiled the old way (``split_state`` off: replicated in and out of the ``shard_map``), to show
