@@ -25,15 +25,18 @@ and compiled for the CPU devices. Reported per device count and variant:
 The variants: ``replicated`` (``shard_curvature_state=False``: every device stores the whole
 curvature state) and ``sharded`` (the default with sharded parameters). Each device count runs
 in its own child process (``--xla_force_host_platform_device_count``). The full 20 layers are
-compiled by default (2 to 8 minutes per variant on the loaded 2-core machine; about 35 minutes
+compiled by default (2 to 8 minutes per variant on the loaded 2-core machine; 35 to 60 minutes
 in all). ``--layers 2,4,6`` compiles smaller stacks instead and extrapolates every figure to
 ``--target-layers`` (20) by a least-squares line in the layer count
 (``fit_max_relative_residual`` says how straight the points lie; the stored state is exactly
-linear in it): ``benchmarks/results/sharded_state_memory_fit.json``, within 3% of the full
-compile. The machine's load average is recorded around every child.
+linear in it; about 15 minutes in all).
 
-Writes ``benchmarks/results/sharded_state_memory.json`` (``--output``). ``--quick``: width 256,
-2 layers.
+Writes ``benchmarks/results/sharded_state_memory.json`` (``--output``): since the distributed
+work exchanges slices of a split state (``curvax.distributed``), the 2/4/6-layer fit. Before
+that change (every whole factor gathered onto every device),
+``sharded_state_memory_before_exchange.json`` (the full compile) and
+``sharded_state_memory_before_exchange_fit.json`` (the fit, within 3% of it). ``--quick``:
+width 256, 2 layers.
 """
 
 from __future__ import annotations

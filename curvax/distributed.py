@@ -20,6 +20,15 @@ Two ways of running on several devices are served (``Distribution``):
 Only the outputs that differ from the inputs are shared: a jaxpr of each block's work tells
 which output leaves are its inputs passed through (a refresh leaves the statistics as they are,
 except EKFAC's eigenvalue correction), and those are taken from the local inputs unsent.
+
+When the curvature state itself is split over the mesh (``Distribution.split_state``: every
+large matrix placed by ``curvax.parallel.split_spec``, as ``Optimizer(shard_curvature_state=...)``
+stores it), replicated inputs and outputs would make XLA gather every whole factor onto every
+device. There the ``shard_map`` takes and returns the state as it is stored, and only what each
+device needs moves (``_exchange``): one ``all_to_all`` per dtype brings the owner of a block
+every device's slice of the block's inputs that its work reads, and after the work a second
+``all_to_all`` sends each device its slice of the results that live split. So a device holds
+its own blocks' whole matrices and its slices of the others, ~1/N of the state, not all of it.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from curvax import parallel
 
@@ -59,18 +68,24 @@ class Distribution:
         ``distributed_inverses``.
       precon_apply: split the products with the (inverse) curvature. kfac-jax's
         ``distributed_precon_apply``.
+      split_state: the curvature state is stored split over ``mesh``, every leaf as
+        ``curvax.parallel.split_spec`` places it (the optimizer's ``shard_curvature_state``);
+        the work then moves only each device's share of it (mesh only).
     """
 
     axis_name: Any = None
     mesh: Mesh | None = None
     inverses: bool = True
     precon_apply: bool = True
+    split_state: bool = False
 
     def __post_init__(self) -> None:
         if (self.axis_name is None) == (self.mesh is None):
             raise ValueError("A Distribution needs exactly one of `axis_name` (pmap mode) and `mesh` (sharding).")
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise TypeError(f"`mesh` must be a jax.sharding.Mesh, got {type(self.mesh).__name__}.")
+        if self.split_state and self.mesh is None:
+            raise ValueError("`split_state=True` needs a `mesh`: pmap mode stores a whole state on every device.")
 
     def num_devices(self) -> int:
         """How many devices share the work here: the mesh's size, or the bound pmap axis's size
@@ -85,13 +100,14 @@ class Distribution:
 
 def make_distribution(
     distributed_inverses: bool, distributed_precon_apply: bool, axis_name: Any = None, params: Any = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | None = None, split_state: bool = False,
 ) -> Distribution | None:
     """The ``Distribution`` an optimizer hands its estimator, or None where nothing is split.
 
     ``axis_name`` (pmap mode) wins; otherwise the mesh is ``mesh`` or that of ``params``
     (``curvax.parallel.params_mesh``: every leaf a ``NamedSharding`` on one mesh of several
     devices). None when both flags are off or there is no axis and no such mesh.
+    ``split_state``: the curvature state is stored split on that mesh (ignored in pmap mode).
     """
     if not (distributed_inverses or distributed_precon_apply):
         return None
@@ -101,7 +117,8 @@ def make_distribution(
         if not isinstance(mesh, Mesh) or mesh.size <= 1:  # no mesh, or an abstract one (inside jit)
             return None
     return Distribution(axis_name, None if axis_name is not None else mesh,
-                        bool(distributed_inverses), bool(distributed_precon_apply))
+                        bool(distributed_inverses), bool(distributed_precon_apply),
+                        bool(split_state) and axis_name is None)
 
 
 def assign(costs: Sequence[float], num_bins: int) -> tuple[int, ...]:
@@ -124,7 +141,8 @@ def assign(costs: Sequence[float], num_bins: int) -> tuple[int, ...]:
 
 def map_blocks(
     fns: Sequence[Callable[[Any], Any]], operands: Sequence[Any], costs: Sequence[float],
-    distribution: Distribution | None, enabled: bool = True,
+    distribution: Distribution | None, enabled: bool = True, split: Sequence[Any] | None = None,
+    split_outputs: bool = False,
 ) -> list[Any]:
     """``[fns[i](operands[i]) for i]``, each device computing only the items ``assign`` gives it.
 
@@ -132,6 +150,11 @@ def map_blocks(
     ``costs`` weigh the items for ``assign``. With ``distribution`` None, ``enabled`` False, or
     one device, this is the plain list. Otherwise every device gets the full list, the same
     numbers as the plain one.
+
+    ``split`` (per operand, a pytree prefix of bools) marks the leaves stored like the
+    curvature state, and ``split_outputs`` says the outputs are state too: with
+    ``distribution.split_state`` those leaves enter and leave split by ``parallel.split_spec``
+    and only the owners' shares move (see the module docstring); the rest are replicated.
     """
     num = distribution.num_devices() if distribution is not None and enabled else 1
     if num <= 1 or not fns:
@@ -142,12 +165,46 @@ def map_blocks(
     assert distribution is not None
     if distribution.axis_name is not None:
         shared = _share(plans, dynamic, owners, num, distribution.axis_name)
-    else:
-        axes = tuple(distribution.mesh.axis_names)  # type: ignore[union-attr]
+        return [p.assemble(s, d) for p, s, d in zip(plans, shared, dynamic)]
+    mesh = distribution.mesh
+    assert mesh is not None
+    axes = tuple(mesh.axis_names)
+    in_specs, out_specs = _state_specs(plans, operands, split, split_outputs, distribution)
+    if in_specs is None:  # nothing stored split: replicated in and out, one all_gather
         run = lambda dyn: _share(plans, dyn, owners, num, axes)
         spec = PartitionSpec()
-        shared = _shard_map(run, mesh=distribution.mesh, in_specs=(spec,), out_specs=spec, **_UNCHECKED)(dynamic)
+        shared = _shard_map(run, mesh=mesh, in_specs=(spec,), out_specs=spec, **_UNCHECKED)(dynamic)
+    else:
+        run = lambda dyn: _exchange(plans, dyn, owners, mesh, in_specs, out_specs)
+        shared = _shard_map(run, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, **_UNCHECKED)(dynamic)
     return [p.assemble(s, d) for p, s, d in zip(plans, shared, dynamic)]
+
+
+def _state_specs(
+    plans: Sequence["_Plan"], operands: Sequence[Any], split: Sequence[Any] | None, split_outputs: bool,
+    distribution: Distribution,
+) -> tuple[Any, Any]:
+    """Per item, the ``PartitionSpec`` of each dynamic input and of each travelling output; (None,
+    None) when the state is not stored split or no such leaf is actually split."""
+    if not distribution.split_state or (split is None and not split_outputs):
+        return None, None
+    mesh = distribution.mesh
+    rep = PartitionSpec()
+    if split is not None and len(split) != len(plans):
+        raise ValueError(f"`split` needs one entry per operand ({len(plans)}), got {len(split)}.")
+    in_specs, out_specs = [], []
+    for i, (p, x) in enumerate(zip(plans, operands)):
+        flags = [False] * len(p.static)
+        if split is not None:
+            marks = jax.tree_util.tree_map(lambda f, sub: jax.tree_util.tree_map(lambda _: bool(f), sub), split[i], x)
+            flags = jax.tree_util.tree_leaves(marks)
+        dyn_flags = [f for f, s in zip(flags, p.static) if s is None]
+        in_specs.append([parallel.split_spec(tuple(d.shape), mesh) if f else rep for d, f in zip(p.dynamic, dyn_flags)])
+        out_specs.append([parallel.split_spec(tuple(p.out_shapes[j].shape), mesh) if split_outputs else rep
+                          for j in p.sent()])
+    if all(s == rep for specs in in_specs + out_specs for s in specs):
+        return None, None
+    return in_specs, out_specs
 
 
 # --- the mechanism ---------------------------------------------------------------------------
@@ -169,6 +226,7 @@ class _Plan:
     out_treedef: Any
     out_shapes: list  # ShapeDtypeStruct per output leaf
     forwarded: list  # per output leaf: index into ``dynamic`` it passes through, or None
+    read: list = dataclasses.field(default_factory=list)  # per dynamic input: whether the work reads it
 
     @classmethod
     def of(cls, fn: Callable[[Any], Any], operand: Any) -> "_Plan":
@@ -182,6 +240,9 @@ class _Plan:
         plan.out_shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out_leaves]
         position = {id(v): k for k, v in enumerate(closed.jaxpr.invars)}
         plan.forwarded = [position.get(id(v)) for v in closed.jaxpr.outvars]
+        # An input the work reads: one an equation takes (a passed-through output is not read).
+        taken = {id(v) for eqn in closed.jaxpr.eqns for v in eqn.invars}
+        plan.read = [id(v) in taken for v in closed.jaxpr.invars]
         return plan
 
     def operand(self, dynamic: Sequence[Any]) -> Any:
@@ -250,6 +311,151 @@ def _share(plans: Sequence[_Plan], dynamic: Sequence[Sequence[Any]], owners: Seq
         for j, (t, offset, size) in zip(p.sent(), spots):
             shape = p.out_shapes[j]
             leaves.append(gathered[t][d, offset:offset + size].reshape(shape.shape).astype(shape.dtype))
+        out.append(leaves)
+    return out
+
+
+# --- the state stored split: moving only each device's share ---------------------------------
+
+
+class _Layout:
+    """Static places of flat pieces in per-row buffers, one buffer per transport dtype.
+
+    Row ``r`` holds the pieces ``add``-ed for it, one after the other; every row of a dtype is
+    padded to the longest, so the buffers of all rows stack into one ``(rows, length)`` array.
+    """
+
+    def __init__(self, rows: int) -> None:
+        self.fill: list[dict[Any, int]] = [{} for _ in range(rows)]
+        self.keys: list[list[Any]] = [[] for _ in range(rows)]
+        self.spots: dict[tuple[int, Any], tuple[Any, int, int]] = {}  # (row, key) -> (dtype, offset, size)
+        self.dtypes: list[Any] = []
+
+    def add(self, row: int, key: Any, shape: tuple[int, ...], dtype: Any) -> None:
+        t, size = _transport_dtype(dtype), int(np.prod(shape, dtype=int))
+        if t not in self.dtypes:
+            self.dtypes.append(t)
+        offset = self.fill[row].get(t, 0)
+        self.fill[row][t] = offset + size
+        self.spots[(row, key)] = (t, offset, size)
+        self.keys[row].append(key)
+
+    def length(self, t: Any) -> int:
+        return max(f.get(t, 0) for f in self.fill)
+
+    def row(self, row: int, piece: Callable[[Any], Any]) -> tuple:
+        """Row ``row``'s buffers (a tuple over ``dtypes``), ``piece(key)`` giving each piece."""
+        parts: dict[Any, list] = {t: [] for t in self.dtypes}
+        for key in self.keys[row]:
+            x = piece(key)
+            t = _transport_dtype(x.dtype)
+            parts[t].append(jnp.ravel(x).astype(t))
+        return tuple(jnp.concatenate(parts[t] + [jnp.zeros(self.length(t) - self.fill[row].get(t, 0), t)])
+                     for t in self.dtypes)
+
+    def read(self, buffers: Sequence[Any], row: int, key: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        """The piece ``key`` of row ``row`` out of ``buffers`` (one flat row per dtype)."""
+        t, offset, size = self.spots[(row, key)]
+        return buffers[self.dtypes.index(t)][offset:offset + size].reshape(shape).astype(dtype)
+
+
+def _device_slices(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> list[tuple[slice, ...]]:
+    """The part of a ``shape`` array placed by ``spec`` that each device holds, by flat device
+    index (the order of ``lax.axis_index`` over all the mesh's axes)."""
+    where = NamedSharding(mesh, spec).devices_indices_map(shape)
+    return [tuple(slice(*s.indices(n)) for s, n in zip(where[d], shape)) for d in mesh.devices.flat]
+
+
+def _whole(pieces: Callable[[int], Any], shape: tuple[int, ...], dtype: Any, slices: Sequence[tuple[slice, ...]]) -> Any:
+    """The whole array from the devices' pieces (``pieces(device)``), one device per distinct part."""
+    out = jnp.zeros(shape, dtype)
+    seen: set = set()
+    for device, part in enumerate(slices):
+        key = tuple((s.start, s.stop) for s in part)
+        if key not in seen:
+            seen.add(key)
+            out = lax.dynamic_update_slice(out, pieces(device), tuple(s.start for s in part))
+    return out
+
+
+def _exchange(
+    plans: Sequence[_Plan], dynamic: Sequence[Sequence[Any]], owners: Sequence[int], mesh: Mesh,
+    in_specs: Sequence[Sequence[PartitionSpec]], out_specs: Sequence[Sequence[PartitionSpec]],
+) -> list[list[Any]]:
+    """Inside the ``shard_map`` of a split state: bring each owner its items' inputs, run its
+    items, send the results where they live. Returns, per item, its travelling output leaves
+    (a device's slice for a split one, the whole for a replicated one).
+
+    1. Every device sends each owner its slice of every split input the owner's items read (one
+       ``all_to_all`` per dtype; replicated inputs are already whole everywhere).
+    2. In the ``switch`` branch of its index, the owner rebuilds those inputs whole, runs its
+       items, and cuts each split output into every device's slice.
+    3. A second ``all_to_all`` delivers the slices; one ``all_gather`` shares replicated outputs.
+    """
+    num, axes, rep = mesh.size, tuple(mesh.axis_names), PartitionSpec()
+    inbound, outbound, gathered = _Layout(num), _Layout(num), _Layout(num)
+    in_slices: dict[tuple[int, int], list] = {}
+    out_slices: dict[tuple[int, int], list] = {}
+    for i, (p, d) in enumerate(zip(plans, owners)):
+        for k, (x, spec) in enumerate(zip(dynamic[i], in_specs[i])):
+            if spec != rep and p.read[k]:
+                in_slices[(i, k)] = _device_slices(tuple(p.dynamic[k].shape), spec, mesh)
+                inbound.add(d, (i, k), tuple(x.shape), x.dtype)
+        for j, spec in zip(p.sent(), out_specs[i]):
+            o = p.out_shapes[j]
+            if spec == rep:
+                gathered.add(d, (i, j), tuple(o.shape), o.dtype)
+            else:
+                out_slices[(i, j)] = _device_slices(tuple(o.shape), spec, mesh)
+                shard = tuple(s.stop - s.start for s in out_slices[(i, j)][0])
+                outbound.add(d, (i, j), shard, o.dtype)
+
+    # 1. Row d of the send buffer: this device's slices of owner d's inputs (the same layout on
+    # every device); after the exchange, row s of the received buffer is device s's slices.
+    received: tuple = ()
+    if inbound.dtypes:
+        rows = [inbound.row(d, lambda key: dynamic[key[0]][key[1]]) for d in range(num)]
+        received = tuple(lax.all_to_all(jnp.stack([r[n] for r in rows]), axes, 0, 0, tiled=True)
+                         for n in range(len(inbound.dtypes)))
+
+    def branch(device: int) -> Callable[[Any], tuple]:
+        def run(args: tuple) -> tuple:
+            got, dyn = args
+            results: dict[tuple[int, int], Any] = {}
+            for i, (p, d) in enumerate(zip(plans, owners)):
+                if d != device:
+                    continue
+                inputs = []
+                for k, (x, spec) in enumerate(zip(dyn[i], in_specs[i])):
+                    whole = p.dynamic[k]
+                    if spec == rep:
+                        inputs.append(x)
+                    elif not p.read[k]:  # never read: a placeholder XLA drops
+                        inputs.append(jnp.zeros(whole.shape, whole.dtype))
+                    else:
+                        pieces = lambda s, k=k, x=x: inbound.read([g[s] for g in got], device, (i, k), tuple(x.shape), x.dtype)
+                        inputs.append(_whole(pieces, tuple(whole.shape), whole.dtype, in_slices[(i, k)]))
+                out = jax.tree_util.tree_leaves(p.fn(p.operand(inputs)))
+                results.update({(i, j): out[j] for j in p.sent()})
+            back = [outbound.row(device, lambda key: results[key][out_slices[key][s]]) for s in range(num)]
+            stacked = tuple(jnp.stack([b[n] for b in back]) for n in range(len(outbound.dtypes)))
+            return gathered.row(device, results.__getitem__), stacked
+
+        return run
+
+    mine, back = lax.switch(lax.axis_index(axes), [branch(d) for d in range(num)], (received, dynamic))
+    everyone = tuple(lax.all_gather(x, axes) for x in mine)  # each (num, length)
+    delivered = tuple(lax.all_to_all(x, axes, 0, 0, tiled=True) for x in back)  # row d: from owner d
+    out = []
+    for i, (p, d) in enumerate(zip(plans, owners)):
+        leaves = []
+        for j, spec in zip(p.sent(), out_specs[i]):
+            o = p.out_shapes[j]
+            if spec == rep:
+                leaves.append(gathered.read([g[d] for g in everyone], d, (i, j), tuple(o.shape), o.dtype))
+            else:
+                shard = tuple(s.stop - s.start for s in out_slices[(i, j)][0])
+                leaves.append(outbound.read([g[d] for g in delivered], d, (i, j), shard, o.dtype))
         out.append(leaves)
     return out
 

@@ -818,7 +818,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         on = distribution is not None and distribution.inverses and self.distributed_cache_updates
         return BlockDiagonalState(tuple(distributed.map_blocks(
             [refresh(b) for b in self._blocks], list(zip(state.blocks_states, self._per_block(identity_weight, "identity_weight"))),  # type: ignore[union-attr]
-            self.block_refresh_costs(), distribution, on,
+            self.block_refresh_costs(), distribution, on, split=[(True, False)] * len(self._blocks), split_outputs=True,  # type: ignore[arg-type]
         )))
 
     # --- staggered refresh (ours) ---------------------------------------------------------
@@ -920,7 +920,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         operands = zip(state.blocks_states, self.params_vector_to_blocks_vectors(parameter_structured_vector), self._per_block(identity_weight, "identity_weight"))
         product = lambda b: lambda svw: b.multiply_matpower(svw[0], svw[1], svw[2], power, exact_power, use_cached)
         on = distribution is not None and distribution.precon_apply and self.distributed_multiplies
-        out = distributed.map_blocks([product(b) for b in self._blocks], list(operands), [_apply_cost(b) for b in self._blocks], distribution, on)  # type: ignore[union-attr]
+        out = distributed.map_blocks([product(b) for b in self._blocks], list(operands), [_apply_cost(b) for b in self._blocks], distribution, on,  # type: ignore[union-attr]
+                                     split=[(True, True, False)] * len(self._blocks), split_outputs=True)  # type: ignore[arg-type]
         return self.blocks_vectors_to_params_vector(out)
 
     def block_eigenvalues(self, state, use_cached) -> tuple[jax.Array, ...]:

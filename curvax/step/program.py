@@ -160,7 +160,10 @@ class StepProgram:
         has_generic = any(s.pattern == "generic" for s in pj.layer_sites)
         logger.log(logging.WARNING if has_generic else logging.INFO, "\n%s", table)
         self.state_shardings = self.state_shardings_for(params, (rng, batch, func_state))
-        self.distribution = distributed.make_distribution(*self.distribute, axis_name=self.axis, params=params)
+        # A curvature state stored split (not one replicated sharding) is moved by shares, not gathered.
+        split = self.state_shardings is not None and not isinstance(self.state_shardings.estimator_state, jax.sharding.Sharding)
+        self.distribution = distributed.make_distribution(*self.distribute, axis_name=self.axis, params=params,
+                                                          split_state=split)
         return proof, table
 
     # --- init and burn-in --------------------------------------------------------------------
