@@ -589,9 +589,10 @@ def test_kfac_trains_a_small_cnn_on_mnist_faster_than_sgd():
 
 
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
-@pytest.mark.parametrize("max_elements", [2**23, 200])
+@pytest.mark.parametrize("max_elements", [2**23, 200, 720])
 def test_kfc_patch_statistics_equal_patches_moments_with_and_without_chunking(layout, max_elements):
-    """The KFC block's fast patch Gram (explicit, batch-chunked) equals ``patches_moments``."""
+    """The KFC block's fast patch Gram (explicit, batch-chunked: 6 chunks of 1 example, or 1 of 4
+    and a remainder of 2) equals ``patches_moments``."""
     from curvax.layers import conv as conv_lib
 
     x = jax.random.normal(jax.random.PRNGKey(5), (6, 5, 5, 3) if layout == "NHWC" else (6, 3, 5, 5))

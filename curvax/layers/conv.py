@@ -527,14 +527,19 @@ def patches_moments_explicit(
     return matrix, vector
 
 
+# On CPU the patch Gram runs over batch chunks of at most this many patch values (4 MiB in
+# float32): a Gram of patches that stay in cache is ~2x faster than one of the whole batch's.
+_CPU_PATCH_CHUNK_ELEMENTS = 2**20
+
+
 def _patch_gram(x: Array, spec: ConvSpec, k_sp: Sequence[int], c: int) -> tuple[Array, Array]:
     """``(sum p p^T, sum p)`` over all patches, as a ``(k*C, k*C)`` matrix in (offset, channel) order.
 
     The fast path used by the KFC block: patches are copied out explicitly
     (``_sliced_patches``, already in (offset, channel) order) and multiplied as one
-    2-D matmul. When
-    the patches of the whole batch exceed ``get_max_parallel_elements()`` values,
-    the batch is processed in equal chunks with ``lax.map``.
+    2-D matmul per chunk of the batch. Chunks hold at most ``get_max_parallel_elements()``
+    patch values, and on CPU at most ``_CPU_PATCH_CHUNK_ELEMENTS`` (so that they stay in
+    cache); ``lax.map`` runs the equal chunks, the remainder of the batch is one more.
     """
     k = math.prod(k_sp)
     d = k * c
@@ -546,14 +551,20 @@ def _patch_gram(x: Array, spec: ConvSpec, k_sp: Sequence[int], c: int) -> tuple[
         return jnp.matmul(p.T, p, precision=spec.precision), jnp.sum(p, axis=0)
 
     per_example = d * math.prod(_out_shape(spec, x, k_sp)) // max(n, 1)
-    chunk = max(1, blocks.get_max_parallel_elements() // max(per_example, 1))
-    if chunk >= n:
-        m, v = moments(x)
-    else:
-        size = max(i for i in range(1, chunk + 1) if n % i == 0)
-        xs = jnp.moveaxis(x, batch_axis, 0).reshape(n // size, size, *np.delete(x.shape, batch_axis))
-        ms, vs = lax.map(lambda xc: moments(jnp.moveaxis(xc, 0, batch_axis)), xs)
-        m, v = jnp.sum(ms, axis=0), jnp.sum(vs, axis=0)
+    limit = blocks.get_max_parallel_elements()
+    if jax.default_backend() == "cpu":
+        limit = min(limit, _CPU_PATCH_CHUNK_ELEMENTS)
+    size = max(1, limit // max(per_example, 1))
+    if size >= n:
+        return moments(x)
+    num, rest = divmod(n, size)
+    xs = jnp.moveaxis(x, batch_axis, 0)
+    chunks = xs[: num * size].reshape(num, size, *xs.shape[1:])
+    ms, vs = lax.map(lambda xc: moments(jnp.moveaxis(xc, 0, batch_axis)), chunks)
+    m, v = jnp.sum(ms, axis=0), jnp.sum(vs, axis=0)
+    if rest:
+        mr, vr = moments(jnp.moveaxis(xs[num * size:], 0, batch_axis))
+        m, v = m + mr, v + vr
     return m, v
 
 
