@@ -6,8 +6,8 @@ full batch. Step times: Adam (each learning rate) and curvax (adaptive) are
 built, warmed up, then stepped in rounds, one step of each per round in a
 rotating order, so the machine's load hits them alike (``interleaved``: every
 step time, the medians, the load average before and after). ``--before`` adds
-curvax with the step's previous formulation (patches by a one-hot convolution,
-one JVP per vector in the quadratic model) to the same rounds; ``--breakdown``
+curvax with the KFC statistics' previous formulation (patches by a one-hot
+convolution, no cache-sized chunks) to the same rounds; ``--breakdown``
 adds curvax with fixed coefficients (no quadratic model) and without the
 statistics update, to split the step's time. Then each optimizer runs alone
 for the first step and the steps and seconds to a target training loss.
@@ -37,7 +37,6 @@ import optax
 import curvax
 from curvax import datasets
 from curvax.layers import conv as conv_layers
-from curvax.step import coefficients
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
@@ -144,18 +143,15 @@ def _onehot_patch_gram(x: jax.Array, spec: Any, k_sp: Sequence[int], c: int) -> 
 
 
 @contextlib.contextmanager
-def previous_formulation(patches: bool = True, jvps: bool = True) -> Any:
-    """While active, curvax traces its step as before: patches from a one-hot convolution
-    (``patches``) and one JVP per vector in the quadratic model (``jvps``). Compiled steps keep it."""
-    saved = conv_layers._patch_gram, coefficients._jvps
-    if patches:
-        conv_layers._patch_gram = _onehot_patch_gram
-    if jvps:
-        coefficients._jvps = lambda deps_jvp, vectors: [deps_jvp(v) for v in vectors]
+def previous_formulation() -> Any:
+    """While active, curvax traces its KFC statistics as before: patches from a one-hot
+    convolution, the whole batch at once up to ``get_max_parallel_elements()``. Compiled steps keep it."""
+    saved = conv_layers._patch_gram
+    conv_layers._patch_gram = _onehot_patch_gram
     try:
         yield
     finally:
-        conv_layers._patch_gram, coefficients._jvps = saved
+        conv_layers._patch_gram = saved
 
 
 def interleave(steps: dict[str, Any], carries: dict[str, Any], rounds: int) -> dict[str, list[float]]:
@@ -172,12 +168,12 @@ def interleave(steps: dict[str, Any], carries: dict[str, Any], rounds: int) -> d
     return times
 
 
-def interleaved_steps(makers: dict[str, Any], warmup: int, rounds: int, before: dict[str, dict]) -> dict[str, Any]:
-    """Builds every runner (those in ``before`` under ``previous_formulation(**before[name])``,
-    compiled there), warms them up together, then times ``rounds`` interleaved rounds."""
+def interleaved_steps(makers: dict[str, Any], warmup: int, rounds: int, before: set[str]) -> dict[str, Any]:
+    """Builds every runner (those in ``before`` under ``previous_formulation``, compiled there),
+    warms them up together, then times ``rounds`` interleaved rounds."""
     steps, carries = {}, {}
     for name, make in makers.items():
-        with previous_formulation(**before[name]) if name in before else contextlib.nullcontext():
+        with previous_formulation() if name in before else contextlib.nullcontext():
             steps[name], carries[name] = make()
             carries[name], _ = steps[name](carries[name])  # compiles the step (and the burn-in)
     interleave(steps, carries, warmup)
@@ -247,16 +243,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def step_time_makers(args: argparse.Namespace, batch: Any) -> tuple[dict[str, Any], dict[str, dict]]:
-    """The runners of the interleaved rounds, and those to compile with (parts of) the previous formulation."""
+def step_time_makers(args: argparse.Namespace, batch: Any) -> tuple[dict[str, Any], set[str]]:
+    """The runners of the interleaved rounds, and those to compile with the previous formulation."""
     makers: dict[str, Any] = {f"adam_lr{lr:g}": (lambda lr=lr: adam_runner(batch, lr, args.seed)) for lr in args.adam_lrs}
     makers["curvax_adaptive"] = lambda: kfac_runner(batch, args.seed)
-    before: dict[str, dict] = {}
+    before = set()
     if args.before:
-        before = {"curvax_adaptive_before": {}, "curvax_adaptive_before_patches_only": {"jvps": False},
-                  "curvax_adaptive_before_jvps_only": {"patches": False}}
-        for name in before:
-            makers[name] = lambda: kfac_runner(batch, args.seed)
+        makers["curvax_adaptive_before"] = lambda: kfac_runner(batch, args.seed)
+        before.add("curvax_adaptive_before")
     if args.breakdown:
         makers["curvax_fixed"] = lambda: kfac_runner(batch, args.seed, fixed=True)
         makers["curvax_fixed_no_statistics"] = lambda: kfac_runner(batch, args.seed, fixed=True, statistics_period=10**6)

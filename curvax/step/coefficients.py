@@ -40,7 +40,7 @@ def exact_quad_model(
     ``kind`` is ``"ggn"`` or ``"fisher"`` (each loss's ``multiply_<kind>``); ``A`` is the mean
     over the batch's ``batch_size`` examples, averaged over the pmap ``axis`` when given.
     """
-    jvs = _jvps(deps_jvp, vectors)
+    jvs = [deps_jvp(v) for v in vectors]
     n = len(vectors)
     rows = []
     for i in range(n):
@@ -55,27 +55,6 @@ def exact_quad_model(
     a = jnp.array(rows)
     a = utils.pmean_if_pmap(a, axis)  # multi_device: each device saw its share of the batch
     return a, utils.matrix_of_inner_products(vectors), utils.vector_of_inner_products(grads, vectors)
-
-
-def _jvps(deps_jvp: Callable[[Any], Any], vectors: Sequence[Any]) -> list[Any]:
-    """``[deps_jvp(v) for v in vectors]``, as one ``jax.vmap`` over the stacked vectors when they
-    share a structure, shapes and dtypes (the step's update and velocity do).
-
-    The map is linear, so the batched pass computes the same products; XLA runs it as wider
-    convolutions and matmuls (the kernel tangents side by side, the input tangents as a
-    larger batch) instead of one pass per vector, which is faster on CPU.
-    """
-    leaves = [jax.tree_util.tree_flatten(v) for v in vectors]
-    same = len(vectors) > 1 and all(
-        t == leaves[0][1] and [(jnp.shape(a), jnp.result_type(a)) for a in ls] ==
-        [(jnp.shape(a), jnp.result_type(a)) for a in leaves[0][0]]
-        for ls, t in leaves
-    )
-    if not same:
-        return [deps_jvp(v) for v in vectors]
-    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *vectors)
-    out = jax.vmap(deps_jvp)(stacked)
-    return [jax.tree_util.tree_map(lambda x, i=i: x[i], out) for i in range(len(vectors))]
 
 
 def approx_quad_model(estimator: Any, estimator_state: Any, vectors: Sequence[Any], grads: Any) -> QuadModel:
