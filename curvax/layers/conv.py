@@ -539,7 +539,7 @@ def _patch_gram(x: Array, spec: ConvSpec, k_sp: Sequence[int], c: int) -> tuple[
     (``_sliced_patches``, already in (offset, channel) order) and multiplied as one
     2-D matmul per chunk of the batch. Chunks hold at most ``get_max_parallel_elements()``
     patch values, and on CPU at most ``_CPU_PATCH_CHUNK_ELEMENTS`` (so that they stay in
-    cache); ``lax.map`` runs the equal chunks, the remainder of the batch is one more.
+    cache); ``lax.map`` runs them, the last one filled up with zero examples (one compiled body).
     """
     k = math.prod(k_sp)
     d = k * c
@@ -557,15 +557,12 @@ def _patch_gram(x: Array, spec: ConvSpec, k_sp: Sequence[int], c: int) -> tuple[
     size = max(1, limit // max(per_example, 1))
     if size >= n:
         return moments(x)
-    num, rest = divmod(n, size)
+    num = -(-n // size)
     xs = jnp.moveaxis(x, batch_axis, 0)
-    chunks = xs[: num * size].reshape(num, size, *xs.shape[1:])
-    ms, vs = lax.map(lambda xc: moments(jnp.moveaxis(xc, 0, batch_axis)), chunks)
-    m, v = jnp.sum(ms, axis=0), jnp.sum(vs, axis=0)
-    if rest:
-        mr, vr = moments(jnp.moveaxis(xs[num * size:], 0, batch_axis))
-        m, v = m + mr, v + vr
-    return m, v
+    # Zero examples fill the last chunk: their patches are zero and add exactly nothing.
+    xs = jnp.pad(xs, [(0, num * size - n)] + [(0, 0)] * (xs.ndim - 1))
+    ms, vs = lax.map(lambda xc: moments(jnp.moveaxis(xc, 0, batch_axis)), xs.reshape(num, size, *xs.shape[1:]))
+    return jnp.sum(ms, axis=0), jnp.sum(vs, axis=0)
 
 
 def _out_shape(spec: ConvSpec, inputs: Array, k_sp: Sequence[int]) -> tuple[int, ...]:
