@@ -175,6 +175,35 @@ def test_patches_moments_equal_dense_patch_sums(cfg):
     np.testing.assert_allclose(np.reshape(md, (kk, kk, 3)), depthwise, atol=1e-10)
 
 
+@pytest.mark.parametrize("cfg", PATCH_CONFIGS + [
+    ((4, 5, 3), (2, 1, 2), (1, 2, 1), "SAME", (1, 1, 2), (1, 1, 1), "NDHWC"),
+    ((6, 6), (3, 3), (1, 1), ((-1, 2), (0, -1)), (1, 1), (1, 1), "NHWC"),
+], ids=lambda c: f"{c[6]}-{c[3]}-s{c[2]}-d{c[4]}{c[5]}")
+def test_sliced_patches_are_the_one_hot_convolution_patches(cfg):
+    """The KFC block's patches (pad + strided slices) are exactly those of
+    ``conv_general_dilated_patches`` (and of the dense indexing oracle, where padding is not
+    negative), in the kernel's (offset, channel) order, for every layout and dilation."""
+    spatial, k, strides, padding, lhs_dil, rhs_dil, fmt = cfg
+    rng = np.random.default_rng(len(spatial) + sum(k))
+    x = rng.standard_normal((2, *spatial, 3))
+    channels_first = not fmt.endswith("C")
+    xin = jnp.asarray(np.moveaxis(x, -1, 1) if channels_first else x)
+    sp = fmt[2:] if channels_first else fmt[1:-1]
+    spec = conv.resolve_conv_spec(
+        xin.shape, (1, 3, *k), window_strides=strides, padding=padding, lhs_dilation=lhs_dil, rhs_dilation=rhs_dil,
+        dimension_numbers=(fmt, "OI" + sp, fmt),
+    )
+    got = jax.jit(lambda a: conv._sliced_patches(a, spec, k))(xin)
+    kk = int(np.prod(k))
+    old = conv._canonical_out(conv._conv_patches(xin, spec, k), spec)  # features (channel, offset)
+    want = np.swapaxes(np.reshape(old, (*old.shape[:-1], 3, kk)), -1, -2)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    if all(lo >= 0 and hi >= 0 for lo, hi in spec.padding):
+        p, out = dense_patches(x, k, strides, spec.padding, lhs_dil, rhs_dil)
+        np.testing.assert_array_equal(np.reshape(got, (-1, kk * 3)), p)
+
+
 def test_patches_moments_bad_arguments():
     x = jnp.zeros((2, 5, 5, 3))
     with pytest.raises(ValueError, match="data_format"):
@@ -560,9 +589,10 @@ def test_kfac_trains_a_small_cnn_on_mnist_faster_than_sgd():
 
 
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
-@pytest.mark.parametrize("max_elements", [2**23, 200])
+@pytest.mark.parametrize("max_elements", [2**23, 200, 720])
 def test_kfc_patch_statistics_equal_patches_moments_with_and_without_chunking(layout, max_elements):
-    """The KFC block's fast patch Gram (explicit, batch-chunked) equals ``patches_moments``."""
+    """The KFC block's fast patch Gram (explicit, batch-chunked: 6 chunks of 1 example, or 1 of 4
+    and a remainder of 2) equals ``patches_moments``."""
     from curvax.layers import conv as conv_lib
 
     x = jax.random.normal(jax.random.PRNGKey(5), (6, 5, 5, 3) if layout == "NHWC" else (6, 3, 5, 5))
