@@ -784,6 +784,8 @@ class BlockDiagonalCurvature(CurvatureEstimator):
                 old = jnp.where(k == 0, ema_old, 1.0)
                 return self.update_blocks(st, data_for(cot_fn(k)), old, ema_new / total, batch_size, pmap_axis_name, identity_weight)
 
+            if total == 1:  # one column (a scalar output, e.g. a wavefunction's): no loop to compile
+                return body(jnp.asarray(0), state)
             return jax.lax.fori_loop(0, total, body, state)
         return self.update_blocks(
             state, data_for(loss_cotangents(losses, rng, mode)), ema_old, ema_new, batch_size, pmap_axis_name, identity_weight
