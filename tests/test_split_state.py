@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from curvax import distributed
 
-pytestmark = pytest.mark.xdist_group("devices")  # multi-device children: one after another
+# One xdist worker runs this module (`--dist loadfile`): the child below runs once.
 
 HERE = Path(__file__).parent
 TOLERANCE = 1e-10
