@@ -349,7 +349,7 @@ class Optimizer:
             velocities=state["velocities"],
             estimator_state=state["estimator"],
             damping=jnp.asarray(damping, jnp.float32),
-            data_seen=jnp.zeros([], jnp.int32),
+            data_seen=jnp.zeros([], int),
             step_counter=state["step_counter"],
         )
 

@@ -191,26 +191,47 @@ def average_trace(m: Array) -> Array:
     return jnp.trace(m) / m.shape[-1]
 
 
-def pi_adjusted_factors(a: Array, g: Array, damping: Numeric) -> tuple[Array, Array]:
-    """Damped Kronecker factors ``(A + pi sqrt(d) I, G + sqrt(d)/pi I)``.
+def pi_damping(na: Array, ng: Array, dim_a: int, dim_g: int, damping: Numeric) -> tuple[Array, Array, Array]:
+    """How pi-adjusted damping splits ``d`` between two Kronecker factors: ``(ok, w_A, w_G)``.
 
-    ``pi = sqrt((tr(A)/dim_A) / (tr(G)/dim_G))`` balances the damping between the
-    factors so that ``A_d (x) G_d`` approximates ``A (x) G + d I`` well (Martens &
-    Grosse, 2015, section 6.3). If either average trace is not positive (a zero
-    factor), both factors become ``sqrt(d) I``, whose product is ``d I``.
+    ``na``/``ng`` are the factors' average diagonals and ``dim_a``/``dim_g`` their
+    (static) sides. Two matrices get ``w_A = pi sqrt(d)``, ``w_G = sqrt(d) / pi`` with
+    ``pi = sqrt(na / ng)`` (Martens & Grosse, 2015, section 6.3). A 1 x 1 factor ``g``
+    takes no damping and the other factor gets ``d / g``, so that ``A_d (x) g = g A + d I``
+    exactly: kfac-jax 0.0.8's rule for scalar factors (a layer with one output, e.g. a
+    wavefunction's final layer, or one input). ``ok`` is false when either trace is not
+    positive; callers then use ``sqrt(d) I`` for both factors (product ``d I``).
+    """
+    dtype = jnp.result_type(na, ng)
+    d = jnp.asarray(damping, dtype)
+    ok = jnp.logical_and(na > 0, ng > 0)
+    na, ng = jnp.where(ok, na, 1), jnp.where(ok, ng, 1)
+    zero = jnp.zeros((), dtype)
+    if dim_g == 1:
+        return ok, d / ng, zero
+    if dim_a == 1:
+        return ok, zero, d / na
+    sqrt_d = jnp.sqrt(d)
+    pi = jnp.sqrt(na / ng)
+    return ok, pi * sqrt_d, sqrt_d / pi
+
+
+def pi_adjusted_factors(a: Array, g: Array, damping: Numeric) -> tuple[Array, Array]:
+    """Damped Kronecker factors ``(A + w_A I, G + w_G I)`` with ``A_d (x) G_d ~ A (x) G + d I``.
+
+    The split of ``d`` is ``pi_damping``'s: balanced by the factors' average traces, exact
+    when a factor is 1 x 1. If either average trace is not positive (a zero factor), both
+    factors become ``sqrt(d) I``, whose product is ``d I``.
     """
     a = symmetrize(a)
     g = symmetrize(g)
     dtype = jnp.result_type(a.dtype, g.dtype)
     sqrt_d = jnp.sqrt(jnp.asarray(damping, dtype))
-    na = average_trace(a)
-    ng = average_trace(g)
-    ok = jnp.logical_and(na > 0, ng > 0)
-    pi = jnp.sqrt(jnp.where(ok, na, 1) / jnp.where(ok, ng, 1))
+    ok, wa, wg = pi_damping(average_trace(a), average_trace(g), a.shape[-1], g.shape[-1], damping)
     eye_a = jnp.eye(a.shape[-1], dtype=a.dtype)
     eye_g = jnp.eye(g.shape[-1], dtype=g.dtype)
-    a_d = jnp.where(ok, a + (pi * sqrt_d) * eye_a, sqrt_d * eye_a)
-    g_d = jnp.where(ok, g + (sqrt_d / pi) * eye_g, sqrt_d * eye_g)
+    a_d = jnp.where(ok, a + wa * eye_a, sqrt_d * eye_a)
+    g_d = jnp.where(ok, g + wg * eye_g, sqrt_d * eye_g)
     return a_d.astype(a.dtype), g_d.astype(g.dtype)
 
 

@@ -308,14 +308,12 @@ def _to_dense(mats: Factor) -> Array:
 
 
 def pi_damped(a: Factor, g: Factor, side_a: int, side_g: int, damping: Numeric) -> tuple[Factor, Factor]:
-    """``(A + pi sqrt(d) I, G + sqrt(d)/pi I)`` with ``pi = sqrt((tr A/side_A) / (tr G/side_G))``:
-    ``linalg.pi_adjusted_factors``'s rule on partitioned factors (their traces are the whole
-    factors'). A zero factor gives ``sqrt(d) I`` for both."""
+    """``(A + w_A I, G + w_G I)`` with ``linalg.pi_damping``'s split of the damping, on
+    partitioned factors (their traces are the whole factors'). A zero factor gives
+    ``sqrt(d) I`` for both."""
     dtype = a[0].dtype
     sqrt_d = jnp.sqrt(jnp.asarray(damping, dtype))
-    na, ng = _trace(a) / side_a, _trace(g) / side_g
-    ok = jnp.logical_and(na > 0, ng > 0)
-    pi = jnp.sqrt(jnp.where(ok, na, 1) / jnp.where(ok, ng, 1))
+    ok, wa, wg = linalg.pi_damping(_trace(a) / side_a, _trace(g) / side_g, side_a, side_g, damping)
 
     def damp(mats: Factor, w: Array) -> Factor:
         out = []
@@ -324,7 +322,7 @@ def pi_damped(a: Factor, g: Factor, side_a: int, side_g: int, damping: Numeric) 
             out.append(jnp.where(ok, m + w * eye, sqrt_d * eye).astype(m.dtype))
         return tuple(out)
 
-    return damp(a, pi * sqrt_d), damp(g, sqrt_d / pi)
+    return damp(a, wa), damp(g, wg)
 
 
 # ----------------------------------------------------------------------------------

@@ -236,6 +236,27 @@ def test_kronecker_powers(layout, bias):
     np.testing.assert_allclose(state.cache["-1"]["inputs_factor"], jnp.eye(block.input_size()))
 
 
+@pytest.mark.parametrize("d_in,d_out,bias", [(3, 1, True), (1, 2, False), (1, 1, False)])
+def test_one_wide_factor_makes_the_approximate_inverse_exact(d_in, d_out, bias):
+    """With a 1 x 1 factor the damped Kronecker product ``A (x) g + d I`` is exactly
+    ``(A + d/g I) (x) g``: the approximate inverse, cached or not, equals the exact damped
+    inverse (kfac-jax 0.0.8 gives scalar factors no damping and the other factor all of it)."""
+    batch, lam = 5, 0.3
+    eqn = dense_eqn(d_in, d_out, batch, bias=bias)
+    block = blocks.DenseTwoKroneckerFactored(eqn, "l")
+    datas = [dense_data(s, d_in, d_out, bias, "io", batch)[0] for s in (3, 4)]
+    v = random_vector(block)
+    state = updated_state(block, datas, batch, dict(exact_powers_to_cache=None, approx_powers_to_cache=-1,
+                                                    cache_eigenvalues=False))
+    cached = block.update_cache(state, lam, None, -1, False)
+    dense = block.to_dense_matrix(state)
+    want = jnp.linalg.solve(dense + lam * jnp.eye(block.dim), flat(v))
+    np.testing.assert_allclose(flat(block.multiply_inverse(state, v, lam, False, False)), want, rtol=1e-9)
+    np.testing.assert_allclose(flat(block.multiply_inverse(cached, v, lam, False, True)), want, rtol=1e-9)
+    np.testing.assert_allclose(flat(block.multiply(state, v, lam, False, False)),
+                               (dense + lam * jnp.eye(block.dim)) @ flat(v), rtol=1e-9)
+
+
 def test_full_powers_and_cache_modes():
     batch, lam = 4, 0.2
     eqn = generic_eqn((2, 3), (2,))

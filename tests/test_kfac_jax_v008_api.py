@@ -315,6 +315,11 @@ def test_pi_adjusted_kronecker_inverse_against_dense_oracle():
     # With one matrix and a scalar factor s the damped product is exact: s A + damping I.
     fa3, fs = factors(a, np.array(2.0))
     np.testing.assert_allclose(fa3 * fs, 2.0 * a + damping * np.eye(3), rtol=1e-10)
+    # The curvature blocks' rule (curvax.linalg) is the same for 1 x 1 factors, on either side.
+    for f1, f2 in ((a, np.array([[2.0]])), (np.array([[2.0]]), g), (np.array([[2.0]]), np.array([[0.5]]))):
+        np.testing.assert_allclose(np.kron(*curvax.linalg.pi_adjusted_factors(f1, f2, damping)),
+                                   np.kron(*factors(f1, f2)), rtol=1e-10)
+        np.testing.assert_allclose(np.kron(*factors(f1, f2)), np.kron(f1, f2) + damping * np.eye(len(np.kron(f1, f2))), rtol=1e-10)
     # All-zero factors: damping * I overall.
     za, zg = factors(np.zeros((3, 3)), np.zeros((4, 4)))
     np.testing.assert_allclose(np.kron(za, zg), damping * np.eye(12), rtol=1e-12)

@@ -199,6 +199,34 @@ def test_pi_adjusted_inverse_is_kfac_jax_approximate_inverse():
         _tol(back, np.linalg.inv(dense_inv), rtol=1e-8)
 
 
+def test_pi_adjusted_inverse_is_exact_where_a_factor_is_one_wide():
+    """A layer with one output (a wavefunction's or a regression's last layer) has a 1 x 1
+    outputs factor ``g``: ``A (x) g + d I = g A + d I`` is itself a Kronecker product, so the
+    approximate inverse is exact there (kfac-jax 0.0.8's rule), while the wider layer's block
+    keeps the pi-split approximation."""
+    k = jax.random.split(jax.random.PRNGKey(4), 4)
+    params = {"w1": jax.random.normal(k[0], (3, 4)) / 2, "w2": jax.random.normal(k[1], (4, 1))}
+    batch = (jax.random.normal(k[2], (10, 3)), jax.random.normal(k[3], (10, 1)))
+
+    def loss(p: Any, b: Any) -> jax.Array:
+        out = jnp.tanh(b[0] @ p["w1"]) @ p["w2"]
+        curvax.register_squared_error_loss(out, b[1])
+        return 0.5 * jnp.mean(jnp.sum((out - b[1]) ** 2, axis=-1))
+
+    est, state = _estimate(loss, params, batch)
+    dense = np.asarray(est.to_dense_matrix(state))
+    K = ops.from_estimator(est, state)
+    for d in (1e-3, 0.5):
+        approx = np.asarray(K.inverse(d, exact=False).to_dense())
+        exact = np.linalg.inv(dense + d * np.eye(dense.shape[0]))
+        _tol(approx[12:, 12:], exact[12:, 12:], rtol=1e-9)  # w2: 4 x 1, outputs factor 1 x 1
+        assert np.linalg.norm(approx[:12, :12] - exact[:12, :12]) > 1e-3 * np.linalg.norm(exact[:12, :12])
+        # the optimizer's approximate inverse (the estimator's) gives the same numbers
+        v = jax.random.normal(jax.random.PRNGKey(9), (16,))
+        got = est.multiply_matpower(state, {"w1": v[:12].reshape(3, 4), "w2": v[12:].reshape(4, 1)}, d, -1, False, False)
+        _tol(np.ravel(got["w2"]), exact[12:, 12:] @ np.asarray(v[12:]), rtol=1e-9)
+
+
 def _damp_factors(state: Any, da: float, dg: float) -> Any:
     """The state whose Kronecker factors are ``A + da I`` and ``G + dg I`` (scale 1 blocks)."""
     state = jax.tree_util.tree_map(lambda x: x, state)

@@ -171,6 +171,25 @@ def test_step_compiles_once_and_schedules_are_used():
     assert int(state.step_counter) == 7 and int(state.data_seen) == 7 * 16
 
 
+def test_a_float64_run_evaluates_schedules_in_float64():
+    """The step counter is JAX's default integer, as kfac-jax's: under ``jax_enable_x64`` a
+    schedule ``n -> 0.05 / (1 + n / 1e4)`` (DeepQMC's) gives 0.05 exactly, where an int32
+    counter would have made it float32's 0.05000000074505806."""
+    with jax.enable_x64(True):
+        params = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), init_mlp(KEY))
+        batch = classification_batch(jax.random.PRNGKey(3))
+        batch = (batch[0].astype(jnp.float64), batch[1])
+        sched = lambda n: 0.05 / (1 + n / 10000.0)
+        opt = make_opt(learning_rate_schedule=sched, damping_schedule=lambda n: 1e-3 / (1 + n / 3.0))
+        state = opt.init(params, KEY, batch)
+        assert state.step_counter.dtype == jnp.int64 and state.data_seen.dtype == jnp.int64
+        for i in range(2):
+            params, state, stats = opt.step(params, state, jax.random.PRNGKey(i), batch=batch, momentum=0.0)
+            assert stats["learning_rate"].dtype == jnp.float64
+            assert float(stats["learning_rate"]) == 0.05 / (1 + i / 10000.0)
+            assert float(stats["damping"]) == 1e-3 / (1 + i / 3.0)
+
+
 def test_norm_constraint_bounds_the_update():
     params = init_mlp(KEY)
     batch = classification_batch(jax.random.PRNGKey(4))

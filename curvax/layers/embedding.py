@@ -164,12 +164,10 @@ class EmbeddingKroneckerFactored(blocks._FactorPairBlock):
     def _damped(a: jax.Array, g: jax.Array, damping) -> tuple[jax.Array, jax.Array]:
         """Pi-adjusted damped factors with ``A = diag(a)`` (see ``linalg.pi_adjusted_factors``)."""
         sqrt_d = jnp.sqrt(jnp.asarray(damping, g.dtype))
-        na, ng = jnp.mean(a), linalg.average_trace(g)
-        ok = jnp.logical_and(na > 0, ng > 0)
-        pi = jnp.sqrt(jnp.where(ok, na, 1) / jnp.where(ok, ng, 1))
+        ok, wa, wg = linalg.pi_damping(jnp.mean(a), linalg.average_trace(g), a.shape[0], g.shape[0], damping)
         eye = jnp.eye(g.shape[0], dtype=g.dtype)
-        a_d = jnp.where(ok, a + pi * sqrt_d, sqrt_d * jnp.ones_like(a))
-        g_d = jnp.where(ok, g + (sqrt_d / pi) * eye, sqrt_d * eye)
+        a_d = jnp.where(ok, a + wa, sqrt_d * jnp.ones_like(a))
+        g_d = jnp.where(ok, g + wg * eye, sqrt_d * eye)
         return a_d.astype(a.dtype), g_d.astype(g.dtype)
 
     def _multiply_matpower_unscaled(self, state, vector, identity_weight, power, exact_power, use_cached):

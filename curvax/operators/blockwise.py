@@ -477,7 +477,8 @@ class BlockDiagonalOperator(CurvatureOperator):
         ``min_damping``). ``exact=False`` (on the undamped ``K``): Kronecker blocks invert
         ``(A' + d_A I) (x) (G' + d_G I)`` with ``d_A = max(pi sqrt(damping), min_damping)``,
         ``d_G = max(sqrt(damping) / pi, min_damping)``, ``pi = sqrt((tr A'/dim_A) / (tr G'/dim_G))``
-        (pi-adjusted damping, as kfac-jax's approximate inverse), or ``(d_A, d_G) = damping`` when
+        (pi-adjusted damping, as kfac-jax's approximate inverse; a 1 x 1 factor ``g`` takes none and
+        the other ``damping / g``, see ``curvax.linalg.pi_damping``), or ``(d_A, d_G) = damping`` when
         a tuple is given (each raised to ``min_damping``); other blocks are inverted exactly.
         A singular result (zero damping on a singular block) raises a ValueError when the values
         are concrete; under ``jit`` it gives ``inf``.
@@ -522,11 +523,11 @@ class BlockDiagonalOperator(CurvatureOperator):
                         da, dg = pair
                     else:
                         a, g = _scaled_factors(b, s)
-                        na, ng = linalg.average_trace(a), linalg.average_trace(g)
-                        ok = jnp.logical_and(na > 0, ng > 0)
-                        pi = jnp.sqrt(jnp.where(ok, na, 1.0) / jnp.where(ok, ng, 1.0))
+                        ok, da, dg = linalg.pi_damping(
+                            linalg.average_trace(a), linalg.average_trace(g), a.shape[-1], g.shape[-1], d_b
+                        )
                         root = jnp.sqrt(d_b)
-                        da, dg = root * pi, root / pi
+                        da, dg = jnp.where(ok, da, root), jnp.where(ok, dg, root)
                     dampings.append((jnp.maximum(da, floor), jnp.maximum(dg, floor)))
                     modes.append(FACTORED)
                 else:

@@ -359,7 +359,7 @@ def check_schedules(cfg: StepConfig) -> None:
         if schedule is None:
             continue
         try:
-            value = schedule(jnp.zeros([], jnp.int32))
+            value = schedule(jnp.zeros([], int))
         except Exception:  # noqa: BLE001 - the step calls it again and shows its own error
             continue
         try:

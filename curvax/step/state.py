@@ -47,8 +47,10 @@ def initial_state(velocities: Any, estimator_state: Any, damping: jax.Array) -> 
         velocities=velocities,
         estimator_state=estimator_state,
         damping=damping,
-        data_seen=jnp.zeros([], jnp.int32),
-        step_counter=jnp.zeros([], jnp.int32),
+        # JAX's default integer (int64 under jax_enable_x64), as kfac-jax's: a schedule such
+        # as ``lambda n: lr / (1 + n / 1e4)`` then computes in float64 too, not in float32.
+        data_seen=jnp.zeros([], int),
+        step_counter=jnp.zeros([], int),
         curvature_updates_skipped=jnp.zeros([], jnp.int32),
         updates_skipped=jnp.zeros([], jnp.int32),
         first_loss=jnp.asarray(jnp.nan, jnp.float32),
