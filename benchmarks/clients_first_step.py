@@ -94,8 +94,9 @@ class Phases:
         return out
 
 
-def child(backend: str, result: str) -> int:
-    """Runs FermiNet's default ansatz for a few iterations and records the phases."""
+def child(backend: str, result: str, network: str = "default") -> int:
+    """Runs FermiNet's default ansatz for a few iterations and records the phases
+    (``network="small"``: the shrunk network of ``clients.py``'s rows)."""
     ph = Phases()
     rec: dict[str, Any] = {"backend": backend}
     try:
@@ -150,6 +151,9 @@ def child(backend: str, result: str) -> int:
         cfg.mcmc.burn_in = 10
         cfg.optim.iterations = ITERATIONS
         cfg.optim.optimizer = "kfac"
+        if network == "small":
+            cfg.network.determinants = 2
+            cfg.network.ferminet.hidden_dims = ((16, 4), (16, 4))
         cfg.debug.deterministic = True
         cfg.log.save_path = tempfile.mkdtemp(prefix="clients_first_step_")
         cfg.log.save_frequency = 1e9
@@ -195,7 +199,8 @@ def hlo_sizes(dump: Path, top: int = 4, kinds: int = 40) -> list[dict[str, Any]]
     return out
 
 
-def run_child(backend: str, timeout: float, dump_hlo: bool, hlo_dir: Path | None = None) -> dict[str, Any]:
+def run_child(backend: str, timeout: float, dump_hlo: bool, hlo_dir: Path | None = None,
+              network: str = "default") -> dict[str, Any]:
     """One fresh process; for curvax the one-line ``kfac_jax`` module goes first on PYTHONPATH."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
@@ -212,7 +217,7 @@ def run_child(backend: str, timeout: float, dump_hlo: bool, hlo_dir: Path | None
         result = Path(tmp, "result.json")
         load = list(os.getloadavg())
         t = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--child", backend, "--result", str(result)],
+        proc = subprocess.run([sys.executable, __file__, "--child", backend, "--result", str(result), "--network", network],
                               env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
         rec = json.loads(result.read_text()) if result.exists() else {"backend": backend, "ok": False}
         if dump_hlo:
@@ -246,16 +251,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hlo-dir", type=Path, help="keep the HLO dumps there (one folder per backend)")
     p.add_argument("--dump-hlo", action="store_true", help="also count the instructions of the largest "
                    "compiled programs (XLA_FLAGS=--xla_dump_to; adds a little to the compile times)")
+    p.add_argument("--network", choices=("default", "small"), default="default",
+                   help="small: 2 determinants, hidden ((16, 4), (16, 4)), the network of clients.py's rows")
+    p.add_argument("--repeats", type=int, default=1, help="runs per backend, the backends' order alternating")
     p.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return child(args.child, args.result)
+        return child(args.child, args.result, args.network)
     out = {"what": __doc__.split("\n")[0], "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "configuration": {"walkers": WALKERS, "iterations": ITERATIONS, "devices": 1},
+           "configuration": {"walkers": WALKERS, "iterations": ITERATIONS, "devices": 1, "network": args.network,
+                             "repeats": args.repeats},
            "machine": {"cpu_count": os.cpu_count(), "load_average_before": list(os.getloadavg())},
            "dump_hlo": args.dump_hlo,
-           "runs": [run_child(b, args.timeout, args.dump_hlo or args.hlo_dir is not None, args.hlo_dir) for b in args.backends]}
+           "runs": []}
+    for repeat in range(args.repeats):
+        for b in args.backends if repeat % 2 == 0 else args.backends[::-1]:
+            out["runs"].append(run_child(b, args.timeout, args.dump_hlo or args.hlo_dir is not None, args.hlo_dir,
+                                         args.network))
+            out["runs"][-1]["repeat"] = repeat
     out["machine"]["load_average_after"] = list(os.getloadavg())
     args.output.write_text(json.dumps(out, indent=1) + "\n")
     print_table(out["runs"])

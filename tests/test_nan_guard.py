@@ -368,3 +368,55 @@ def test_init_refuses_parameters_with_a_nan_naming_the_leaf():
     bad = jax.tree_util.tree_map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), good)
     with pytest.raises(ValueError, match="`params` given to init hold 1 non-finite"):
         _optimizer(loss_fn).init(bad, jax.random.PRNGKey(1), batch)
+
+
+def _failing_cholesky(monkeypatch, fail_in: tuple) -> list:
+    """``jax.scipy.linalg.cho_factor`` returning NaN for inputs of the dtypes in ``fail_in``
+    (a float32 factorization that broke down); returns the dtypes it was called with."""
+    real = jax.scipy.linalg.cho_factor
+    seen = []
+
+    def fake(a, *args, **kwargs):
+        seen.append(jnp.dtype(a.dtype))
+        c, lower = real(a, *args, **kwargs)
+        return (c * jnp.nan if jnp.dtype(a.dtype) in fail_in else c), lower
+
+    monkeypatch.setattr(jax.scipy.linalg, "cho_factor", fake)
+    return seen
+
+
+def _one_step_solving_every_step(**hyper):
+    """Parameters after one step of the plain MLP with ``inverse_update_period=1`` (the damped
+    factors are solved with on every step, not inverted), and the step's stats."""
+    loss_fn, params, batch = plain_jax(jax.random.PRNGKey(0))
+    opt = _optimizer(loss_fn, inverse_update_period=1)
+    state = opt.init(params, jax.random.PRNGKey(1), batch)
+    new_params, _, stats = opt.step(params, state, jax.random.PRNGKey(2), batch=batch, **hyper)
+    return new_params, stats
+
+
+def test_a_float32_factor_solve_that_breaks_down_is_redone_in_float64(monkeypatch):
+    """The solves with the damped factors are plain Cholesky solves; when one gives non-finite
+    values in a float32 program, the whole preconditioned gradient is recomputed in float64
+    (one branch for all blocks): the same update as when nothing failed, nothing skipped."""
+    with jax.enable_x64(False):
+        want, _ = _one_step_solving_every_step(**HYPER)
+        seen = _failing_cholesky(monkeypatch, (jnp.dtype(jnp.float32),))
+        got, stats = _one_step_solving_every_step(**HYPER)
+    assert jnp.dtype(jnp.float64) in seen and jnp.dtype(jnp.float32) in seen
+    assert not bool(stats["update_skipped"]) and int(stats["updates_skipped"]) == 0
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_factor_solve_that_fails_in_float64_too_skips_the_update_and_counts_it(monkeypatch):
+    """No NaN reaches the parameters: the update is skipped and counted (and logged, as every
+    skip: ``test_a_nan_example_skips_the_step...``)."""
+    with jax.enable_x64(False):
+        _, params, _ = plain_jax(jax.random.PRNGKey(0))
+        _failing_cholesky(monkeypatch, (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)))
+        got, stats = _one_step_solving_every_step(**HYPER)
+    assert bool(stats["update_skipped"]) and int(stats["updates_skipped"]) == 1
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(a, b)

@@ -197,7 +197,7 @@ class EmbeddingKroneckerFactored(blocks._FactorPairBlock):
             if power == 1:
                 out = a_d[:, None] * (v @ g_d)
             elif power == -1:
-                out = linalg.psd_solve(g_d, v.T).T / a_d[:, None]
+                out = linalg.cholesky_solve(g_d, v.T).T / a_d[:, None]
             else:
                 out = linalg._pow(a_d, power)[:, None] * (v @ linalg.psd_matrix_power(g_d, power))
         return (out,)

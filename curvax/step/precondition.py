@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from curvax import utils
+from curvax import linalg, utils
 
 
 def precondition(
@@ -27,9 +27,40 @@ def precondition(
     """
     extra = {} if distribution is None else {"distribution": distribution}
     out = estimator.multiply_matpower(state, vector, identity_weight, power, exact, use_cached, axis, **extra)
+    if not (use_cached or exact or getattr(distribution, "split_state", False)):
+        out = _retry_in_float64(estimator, state, vector, identity_weight, power, out)
     if like is None:
         return out
     return jax.tree_util.tree_map(lambda v, p: v.astype(jnp.result_type(p)), out, like)
+
+
+def _retry_in_float64(estimator: Any, state: Any, vector: Any, identity_weight: Any, power: float, out: Any) -> Any:
+    """``out``, or, when it is not finite while ``vector`` is, the same product
+    computed in float64 on every block (one ``lax.cond`` for the whole product).
+
+    The approximate products solve with each damped factor by a plain Cholesky factorization
+    (``curvax.linalg.cholesky_solve``), which fails in float32 when the damping is below the
+    factor's rounding. The retry needs float64 linear algebra (``linalg.float64_retry_available``)
+    and a whole state on each device: after a distributed product ``out`` is the same on every
+    device, so all take the same branch, which works on the local state alone.
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(out) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves or not all(linalg.float64_retry_available(x.dtype) for x in leaves):
+        return out
+    inputs = [x for x in jax.tree_util.tree_leaves(vector) if jnp.issubdtype(x.dtype, jnp.floating)]
+    # (A non-finite state makes the retry non-finite too; the step's guard then skips the update.)
+    failed = jnp.logical_and(linalg.sum_is_finite(*inputs), jnp.logical_not(linalg.sum_is_finite(*leaves)))
+
+    def wide(x: Any) -> Any:
+        return jnp.asarray(x, jnp.float64) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x
+
+    def in_float64(_: Any) -> Any:
+        with jax.enable_x64(True):
+            state64, vector64, weight64 = jax.tree_util.tree_map(wide, (state, vector, identity_weight))
+            wide_out = estimator.multiply_matpower(state64, vector64, weight64, power, False, False)
+        return jax.tree_util.tree_map(lambda w, o: w.astype(o.dtype), wide_out, out)
+
+    return jax.lax.cond(failed, in_float64, lambda _: out, None)
 
 
 def curvature_product(
