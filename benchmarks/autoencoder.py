@@ -37,6 +37,8 @@ import optax
 from curvax import autoencoder as ae
 from curvax import datasets
 
+import harness  # shared benchmark helpers (benchmarks/ is on the path)
+
 # A benchmark step: carry -> (carry, loss before the update).
 Step = Callable[[Any], tuple[Any, jax.Array]]
 
@@ -143,10 +145,7 @@ def measure(
     reached: tuple[int, float] | None = None
     first = math.nan
     for i in range(max_steps):
-        t = time.perf_counter()
-        carry, loss = step(carry)
-        jax.block_until_ready((carry, loss))
-        dt = time.perf_counter() - t
+        carry, loss, dt = harness.timed_step(step, carry)
         elapsed += dt
         if i == 0:
             first = dt

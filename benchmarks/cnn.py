@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import os
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from curvax.layers import conv as conv_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+import harness  # noqa: E402
 from autoencoder import machine_info, measure, write_results  # noqa: E402  (shared benchmark helpers)
 
 CHANNELS = (16, 32)
@@ -154,20 +154,6 @@ def previous_formulation() -> Any:
         conv_layers._patch_gram = saved
 
 
-def interleave(steps: dict[str, Any], carries: dict[str, Any], rounds: int) -> dict[str, list[float]]:
-    """One step of each runner per round, in an order that rotates every round; ``carries``
-    advance in place. Returns every step time."""
-    names = list(steps)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            t = time.perf_counter()
-            carries[n], loss = steps[n](carries[n])
-            jax.block_until_ready((carries[n], loss))
-            times[n].append(time.perf_counter() - t)
-    return times
-
-
 def interleaved_steps(makers: dict[str, Any], warmup: int, rounds: int, before: set[str]) -> dict[str, Any]:
     """Builds every runner (those in ``before`` under ``previous_formulation``, compiled there),
     warms them up together, then times ``rounds`` interleaved rounds."""
@@ -176,15 +162,14 @@ def interleaved_steps(makers: dict[str, Any], warmup: int, rounds: int, before: 
         with previous_formulation() if name in before else contextlib.nullcontext():
             steps[name], carries[name] = make()
             carries[name], _ = steps[name](carries[name])  # compiles the step (and the burn-in)
-    interleave(steps, carries, warmup)
-    load_before = os.getloadavg()
-    times = interleave(steps, carries, rounds)
-    load_after = os.getloadavg()
+    harness.interleave_steps(steps, carries, warmup)
+    timed = harness.interleave_steps(steps, carries, rounds)
+    times = timed["times"]
     med = {n: statistics.median(ts) for n, ts in times.items()}
     adam = float(np.median([m for n, m in med.items() if n.startswith("adam")]))
     return {
-        "rounds": rounds, "warmup_rounds": warmup, "load_average_before": load_before,
-        "load_average_after": load_after, "step_median_s": med,
+        "rounds": rounds, "warmup_rounds": warmup, "load_average_before": timed["load_average_before"],
+        "load_average_after": timed["load_average_after"], "step_median_s": med,
         "ratio_to_adam_median": {n: m / adam for n, m in med.items()}, "step_times_s": times,
     }
 

@@ -37,6 +37,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _compare_models as models  # noqa: E402
+import harness  # noqa: E402
 from autoencoder import machine_info  # noqa: E402  (shared benchmark helper)
 
 # A benchmark step: carry -> (carry, loss before the update).
@@ -132,10 +133,7 @@ def measure(make: Callable[[], tuple[Step, Any]], max_steps: int, time_cap: floa
     elapsed = setup_s
     stopped_by = "steps"
     for i in range(max_steps):
-        t = time.perf_counter()
-        carry, loss = step(carry)
-        jax.block_until_ready((carry, loss))
-        dt = time.perf_counter() - t
+        carry, loss, dt = harness.timed_step(step, carry)
         elapsed += dt
         times.append(dt)
         losses.append(float(loss))
@@ -185,16 +183,8 @@ def interleaved_steps(runners: dict[str, tuple[Step, Any]], rounds: int) -> dict
     Drift and background load of a shared machine then hit every optimizer alike; each runner
     continues its own trajectory.
     """
-    names = list(runners)
-    carries = {n: runners[n][1] for n in names}
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            t = time.perf_counter()
-            carries[n], loss = runners[n][0](carries[n])
-            jax.block_until_ready((carries[n], loss))
-            times[n].append(time.perf_counter() - t)
-    return times
+    steps = {n: step for n, (step, _) in runners.items()}
+    return harness.interleave_steps(steps, {n: carry for n, (_, carry) in runners.items()}, rounds)["times"]
 
 
 def add_interleaved(results: dict[str, Any], runners: dict[str, tuple[Step, Any]], rounds: int,

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,26 +32,11 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _compare_models as models  # noqa: E402
+import harness  # noqa: E402
 from autoencoder import machine_info  # noqa: E402
 from compare import DEFAULTS, kfac_runner, optax_runner  # noqa: E402
 
 import curvax  # noqa: E402
-
-
-def interleave(steps: dict[str, Any], carries: dict[str, Any], rounds: int) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """One step of each runner per round, in an order that rotates every round; ``carries`` advance
-    in place. Returns the step times and each runner's last loss."""
-    names = list(steps)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    losses: dict[str, float] = {}
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            t = time.perf_counter()
-            carries[n], loss = steps[n](carries[n])
-            jax.block_until_ready((carries[n], loss))
-            times[n].append(time.perf_counter() - t)
-            losses[n] = float(loss)
-    return times, losses
 
 
 def run_model(name: str, size: int, rounds: int, warmup: int, seed: int, with_kfac_jax: bool) -> dict[str, Any]:
@@ -66,24 +49,23 @@ def run_model(name: str, size: int, rounds: int, warmup: int, seed: int, with_kf
         runners["kfac_jax"] = kfac_runner(kfac_jax, models.BUILDERS[name](kfac_jax, size, False, seed), seed)
     steps = {n: r[0] for n, r in runners.items()}
     carries = {n: r[1] for n, r in runners.items()}
-    warm, _ = interleave(steps, carries, warmup)  # compilation, K-FAC's burn-in, the first refreshes
-    load_before = os.getloadavg()
-    times, losses = interleave(steps, carries, rounds)
-    load_after = os.getloadavg()
+    warm = harness.interleave_steps(steps, carries, warmup)["times"]  # compilation, K-FAC's burn-in, the first refreshes
+    timed = harness.interleave_steps(steps, carries, rounds)
+    times = timed["times"]
     med = {n: statistics.median(ts) for n, ts in times.items()}
     out: dict[str, Any] = {
         "size": size,
         "rounds": rounds,
         "warmup_steps": warmup,
         "first_step_s": {n: ts[0] for n, ts in warm.items()},
-        "load_average_before": load_before,
-        "load_average_after": load_after,
+        "load_average_before": timed["load_average_before"],
+        "load_average_after": timed["load_average_after"],
         "step_median_s": med,
         "ratio_to_adam_median": {n: med[n] / med["adam"] for n in med},
         "ratio_to_adam_per_round_median": {
             n: statistics.median(a / b for a, b in zip(ts, times["adam"])) for n, ts in times.items()
         },
-        "loss_after": losses,
+        "loss_after": timed["losses"],
         "step_times_s": times,
     }
     if with_kfac_jax:

@@ -28,15 +28,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import harness  # noqa: E402
 
 if __name__ == "__main__":  # the device count is fixed when JAX starts
-    _devices = next((a.split("=")[1] for a in sys.argv if a.startswith("--devices=")), "4")
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_devices}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    harness.force_cpu_devices(sys.argv)
 
 import statistics  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
 import jax  # noqa: E402
@@ -46,8 +47,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import curvax  # noqa: E402
 from curvax import distributed  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
 from autoencoder import machine_info, write_results  # noqa: E402
 
 AXIS = "kfac_axis"
@@ -56,7 +55,7 @@ DAMPING = 1e-2
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--devices", type=int, default=4, help="CPU devices (pass as --devices=N; read before JAX starts)")
+    harness.add_devices_argument(p)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=512, help="global batch (split over the devices)")
@@ -89,22 +88,6 @@ def mlp(layers: int, width: int, batch: int, lib: Any = curvax) -> tuple[Callabl
 
     data = (jax.random.normal(keys[-2], (batch, width)), jax.random.normal(keys[-1], (batch, width)))
     return loss, params, data
-
-
-def timed(f: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    jax.block_until_ready(f())
-    return time.perf_counter() - t
-
-
-def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, dict[str, float]]:
-    """Median and min seconds of each (compiled) thunk, called in rotating order."""
-    names = list(fns)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        for n in names[r % len(names):] + names[: r % len(names)]:
-            times[n].append(timed(fns[n]))
-    return {n: {"median_s": statistics.median(t), "min_s": min(t), "all_s": t} for n, t in times.items()}
 
 
 def max_rel_diff(a: Any, b: Any) -> float:
@@ -172,7 +155,7 @@ def estimator_section(args: argparse.Namespace, n: int) -> dict[str, Any]:
                 info[name] = {"compile_s": time.perf_counter() - t, **hlo_summary(compiled.as_text(), n)}
                 results[name] = compiled(*args_)
                 thunks[name] = lambda c=compiled, a=args_: c(*a)
-            timings = interleaved(thunks, args.repeats)
+            timings = harness.interleave_thunks(thunks, args.repeats, keep_all=True)
             first = lambda r, name: jax.tree_util.tree_map(lambda x: x[0], r) if name.startswith("pmap") else r
             for name in variants:
                 info[name].update(timings[name])
@@ -256,9 +239,7 @@ def optimizer_section(args: argparse.Namespace, n: int) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    n = jax.device_count()
-    if n != args.devices:
-        raise SystemExit(f"JAX sees {n} devices, not --devices={args.devices} (pass it as --devices=N).")
+    n = harness.check_device_count(args.devices)
     out: dict[str, Any] = {
         "benchmark": "distributed",
         "machine": machine_info(),

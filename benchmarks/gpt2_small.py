@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SCALES = {  # vocab, d, layers, heads, seq, batch
     "gpt2-small": dict(vocab=50257, d=768, layers=12, heads=12, seq=64, batch=4),
@@ -84,13 +84,29 @@ def build(vocab: int, d: int, layers: int, heads: int, seq: int, untied: bool = 
     return model, loss
 
 
+def adamw_step(loss: Callable[[Any, Any], Any], tokens: Any) -> tuple[Any, Callable[[Any, Any], Any]]:
+    """The AdamW baseline (learning rate 3e-4, weight decay 0.01): Optax's transformation and its
+    jitted step ``(params, opt_state) -> (params, opt_state, loss)`` on ``tokens``."""
+    import jax
+    import optax
+
+    tx = optax.adamw(3e-4, weight_decay=0.01)
+
+    @jax.jit
+    def step(p: Any, s: Any) -> tuple[Any, Any, jax.Array]:
+        value, grads = jax.value_and_grad(loss)(p, tokens)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    return tx, step
+
+
 def child(optimizer: str, scale: str, steps: int, inverse_period: int, untied: bool = False) -> dict[str, Any]:
     """One optimizer's run; returns its record (step times, losses, peak memory)."""
     import itertools
 
     import jax
     import jax.numpy as jnp
-    import optax
 
     import curvax
 
@@ -119,14 +135,7 @@ def child(optimizer: str, scale: str, steps: int, inverse_period: int, untied: b
             times.append(time.perf_counter() - t)
             losses.append(float(stats["loss"]))
     else:
-        tx = optax.adamw(3e-4, weight_decay=0.01)
-
-        @jax.jit
-        def step(p: Any, s: Any) -> tuple[Any, Any, jax.Array]:
-            value, grads = jax.value_and_grad(loss)(p, tokens)
-            updates, s = tx.update(grads, s, p)
-            return optax.apply_updates(p, updates), s, value
-
+        tx, step = adamw_step(loss, tokens)
         state = tx.init(params)
         for _ in itertools.repeat(None, steps):
             t = time.perf_counter()

@@ -39,12 +39,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     faulthandler.dump_traceback_later(max(args.timeout - 5, 1), exit=False)
     import jax
-    import optax
 
     import curvax
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from gpt2_small import build
+    from gpt2_small import adamw_step, build
 
     phase = ["setup"]
     events: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
@@ -87,14 +86,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         times = [s["wall_s"] for s in later if s["refresh"] == want]
         out[f"kfac_{kind}_step_median_s"] = statistics.median(times) if times else None
 
-    tx = optax.adamw(3e-4, weight_decay=0.01)
-
-    @jax.jit
-    def adam_step(p: Any, s: Any) -> tuple[Any, Any, jax.Array]:
-        value, grads = jax.value_and_grad(loss)(p, tokens)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, value
-
+    tx, adam_step = adamw_step(loss, tokens)
     p, s, times = params, tx.init(params), []
     for i in range(args.steps):
         (p, s, _), dt = timed(f"adam{i}", lambda: adam_step(p, s))

@@ -38,25 +38,10 @@ from curvax import datasets, linalg
 sys.path.insert(0, str(Path(__file__).parent))
 import autoencoder  # noqa: E402
 import cnn  # noqa: E402
+import harness  # noqa: E402
 from autoencoder import machine_info, write_results  # noqa: E402
 
 PERIOD = 5  # the inverse_update_period of cnn.kfac_runner and curvax.autoencoder.make_kfac
-
-
-def _timed(f: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    jax.block_until_ready(f())
-    return time.perf_counter() - t
-
-
-def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, dict[str, float]]:
-    """Median and min seconds of each (already compiled) thunk, called in rotating order."""
-    names = list(fns)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        for n in names[r % len(names):] + names[: r % len(names)]:
-            times[n].append(_timed(fns[n]))
-    return {n: {"median_s": statistics.median(t), "min_s": min(t)} for n, t in times.items()}
 
 
 def _rel_err(x: Any, ref: np.ndarray) -> float:
@@ -92,13 +77,13 @@ def op_timings(opt: Any, est_state: Any, identity_weight: float, repeats: int, p
                 for f in fns.values():
                     jax.block_until_ready(f(m))
                 n_rep = repeats if m.shape[0] > 500 else 10 * repeats
-                t = _interleaved({k: (lambda f=f: f(m)) for k, f in fns.items()}, n_rep)
+                t = harness.interleave_thunks({k: (lambda f=f: f(m)) for k, f in fns.items()}, n_rep)
                 entry.update({f"{k}_{stat}": v[stat] for k, v in t.items() for stat in ("median_s", "min_s")})
                 ops.append(entry)
                 print(f"  {b.name:10s} {which:7s} side {m.shape[0]:5d}: " + "  ".join(
                     f"{k} {t[k]['median_s'] * 1e3:8.2f}ms" for k in t), flush=True)
         block_rows.append((row, cache_fn, s))
-    t = _interleaved({r["block"]: (lambda f=f, s=s: f(s)) for r, f, s in block_rows}, repeats)
+    t = harness.interleave_thunks({r["block"]: (lambda f=f, s=s: f(s)) for r, f, s in block_rows}, repeats)
     out = []
     for r, _, _ in block_rows:
         r.update(update_cache_median_s=t[r["block"]]["median_s"], update_cache_min_s=t[r["block"]]["min_s"])
@@ -119,7 +104,7 @@ def refresh_per_phase(opt: Any, est_state: Any, identity_weight: float, repeats:
         fns[f"phase_{t % PERIOD}"] = lambda t=t: stag(est_state, jnp.asarray(t, jnp.int32))
     for f in fns.values():
         jax.block_until_ready(f())
-    t = _interleaved(fns, repeats)
+    t = harness.interleave_thunks(fns, repeats)
     phases = [t[f"phase_{p}"] for p in range(PERIOD)]
     out = {"times": t,
            "sum_of_phases_min_s": sum(x["min_s"] for x in phases),

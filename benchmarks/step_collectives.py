@@ -19,16 +19,15 @@ Writes JSON (``--output``, default ``benchmarks/results/step_collectives.json``)
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import harness  # noqa: E402
 
 if __name__ == "__main__":  # the device count is fixed when JAX starts
-    _devices = next((a.split("=")[1] for a in sys.argv if a.startswith("--devices=")), "4")
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_devices}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    harness.force_cpu_devices(sys.argv)
 
-from pathlib import Path  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
 import jax  # noqa: E402
@@ -38,8 +37,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import curvax  # noqa: E402
 from curvax import distributed  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
 from autoencoder import machine_info, write_results  # noqa: E402
 
 AXIS = "kfac_axis"
@@ -48,7 +45,7 @@ CLASSES = 16
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--devices", type=int, default=4, help="CPU devices (pass as --devices=N; read before JAX starts)")
+    harness.add_devices_argument(p)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
@@ -74,41 +71,13 @@ def mlp(layers: int, width: int, batch: int) -> tuple[Any, Any, Any]:
     return loss, params, (x, y)
 
 
-def _computations(text: str) -> dict[str, list[str]]:
-    bodies: dict[str, list[str]] = {}
-    name = None
-    for line in text.splitlines():
-        m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$", line)
-        if m is not None:
-            name = m.group(1)
-            bodies[name] = []
-        elif line.startswith("}"):
-            name = None
-        elif name is not None:
-            bodies[name].append(line)
-    return bodies
-
-
-def _called(line: str) -> list[str]:
-    out = []
-    for m in re.finditer(r"(?:calls|to_apply|body|condition|true_computation|false_computation|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)", line):
-        out += [c.strip().lstrip("%") for c in m.group(1).strip("{}").split(",") if c.strip()]
-    return out
-
-
 def collectives_by_place(text: str) -> list[dict[str, Any]]:
     """``hlo_collectives`` of each computation, each marked ``in_conditional`` when the computation is
     reachable from a conditional's branch."""
-    bodies = _computations(text)
-    in_branch: set[str] = set()
-    todo = [c for lines in bodies.values() for line in lines if " conditional(" in line for c in _called(line)]
-    while todo:
-        c = todo.pop()
-        if c in bodies and c not in in_branch:
-            in_branch.add(c)
-            todo += [d for line in bodies[c] for d in _called(line)]
+    computations = distributed.hlo_computations(text)
+    in_branch = distributed.hlo_reachable(computations, [b for bs in distributed.hlo_conditionals(computations) for b in bs])
     out = []
-    for name, lines in bodies.items():
+    for name, lines in computations.items():
         for c in distributed.hlo_collectives("\n".join(lines)):
             out.append(dict(c, in_conditional=name in in_branch))
     return out
@@ -130,9 +99,7 @@ def compiled_text(opt: curvax.Optimizer, params: Any, state: Any, key: Any, batc
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    n = jax.device_count()
-    if n != args.devices:
-        raise SystemExit(f"JAX sees {n} devices, not --devices={args.devices} (pass it as --devices=N).")
+    n = harness.check_device_count(args.devices)
     loss, params, data = mlp(args.layers, args.width, args.batch)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     fixed = dict(learning_rate=0.1, momentum=0.5, damping=1e-2)

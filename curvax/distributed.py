@@ -464,8 +464,105 @@ def _exchange(
 
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _ARRAY_TYPE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
+# A computation's header: ``[ENTRY] %name (params) -> result {`` at the start of a line
+# (instructions are indented; a computation ends at a line starting with ``}``).
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation|branch_computations)=\{?([^}\s]*(?:,\s*%[\w.\-]+)*)\}?")
+# The attributes through which an instruction calls computations: one name, or a braced list.
+_CALL_ATTRIBUTES = ("calls", "to_apply", "body", "condition", "true_computation", "false_computation",
+                    "branch_computations", "called_computations", "select", "scatter")
+_CALLED = re.compile(r"(?<![\w.\-])(?:" + "|".join(_CALL_ATTRIBUTES) + r")=(\{[^}]*\}|%?[\w.\-]+)")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_OPCODE = re.compile(r"=\s.*?\s([a-z][\w\-]*)\(")  # ``%x = TYPE opcode(operands), attributes``
+
+
+def _opcode(instruction: str) -> str | None:
+    m = _OPCODE.search(_STRING.sub('""', instruction))
+    return m.group(1) if m is not None else None
+
+
+def hlo_computations(hlo_text: str) -> dict[str, list[str]]:
+    """The computations of an HLO module's text (``.compile().as_text()``): name (without ``%``)
+    to its instruction lines, stripped, in the order printed.
+
+    The common ground of the readers below: which instruction sits in which computation tells
+    e.g. whether a collective runs on every step or only inside a conditional's branch.
+    Raises ``ValueError`` on text with no computation or with one left open (truncated text).
+    """
+    if not isinstance(hlo_text, str):
+        raise TypeError(f"hlo_text must be the HLO module's text (a str, e.g. `.compile().as_text()`), "
+                        f"got {type(hlo_text).__name__}")
+    bodies: dict[str, list[str]] = {}
+    name = None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m is not None:
+            if name is not None:
+                raise ValueError(f"hlo_text: computation {name!r} is not closed before {m.group(1)!r} starts")
+            name = m.group(1)
+            bodies[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None and line.strip():
+            bodies[name].append(line.strip())
+    if name is not None:
+        raise ValueError(f"hlo_text: computation {name!r} is not closed (truncated text?)")
+    if not bodies:
+        raise ValueError("hlo_text has no HLO computation; expected a module's text such as "
+                         "`jax.jit(f).lower(...).compile().as_text()`")
+    return bodies
+
+
+def hlo_called(instruction: str) -> list[str]:
+    """The computations one HLO instruction line calls, in order and without ``%``: every entry of
+    ``branch_computations={%a, %b, %c}`` (a conditional's branches, in branch order), ``calls=``,
+    ``to_apply=``, a while's ``condition=`` and ``body=``, and the like.
+
+    Quoted strings (metadata, frontend attributes) are skipped, so text inside them is not read
+    as a call.
+    """
+    out = []
+    for m in _CALLED.finditer(_STRING.sub('""', instruction)):
+        out += [c.strip().lstrip("%") for c in m.group(1).strip("{}").split(",") if c.strip()]
+    return out
+
+
+def hlo_custom_call_target(instruction: str) -> str | None:
+    """The ``custom_call_target`` of an HLO instruction line (e.g. ``"lapack_ssyevd_ffi"``), or
+    None for an instruction that is not a custom call."""
+    m = _TARGET.search(instruction)
+    return m.group(1) if m is not None and _opcode(instruction) == "custom-call" else None
+
+
+def hlo_conditionals(computations: dict[str, list[str]]) -> list[list[str]]:
+    """Each conditional of a module (``hlo_computations``'s result), in the order printed: the
+    names of its branch computations, in branch order (for a ``lax.switch`` on the device index,
+    branch d is what device d runs)."""
+    return [hlo_called(line) for lines in computations.values() for line in lines if _opcode(line) == "conditional"]
+
+
+def _callees(computations: dict[str, list[str]], line: str) -> list[str]:
+    called = hlo_called(line)
+    for c in called:
+        if c not in computations:
+            raise ValueError(f"computations: {c!r} is called by `{line[:80]}` but is not among "
+                             f"the computations ({len(computations)} given)")
+    return called
+
+
+def hlo_reachable(computations: dict[str, list[str]], roots: Sequence[str]) -> set[str]:
+    """The computations that ``roots`` are or call, directly or through nested calls (e.g. every
+    computation that runs inside some conditional's branch)."""
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        c = todo.pop()
+        if c not in computations:
+            raise ValueError(f"roots: {c!r} is not a computation of the module")
+        if c not in seen:
+            seen.add(c)
+            todo += [d for line in computations[c] for d in _callees(computations, line)]
+    return seen
 
 
 def _element_bytes(dtype: str) -> int:
@@ -494,42 +591,23 @@ def hlo_collectives(hlo_text: str) -> list[dict[str, Any]]:
 
 def hlo_branch_custom_calls(hlo_text: str, target: str) -> list[list[int]]:
     """For each conditional of a compiled HLO module: per branch, how many custom calls whose target
-    contains ``target`` (e.g. ``"syevd"``, LAPACK's eigendecomposition) it runs, nested calls included.
+    contains ``target`` (e.g. ``"syevd"``, LAPACK's eigendecomposition) it holds, counting what
+    it calls: a computation called twice counts twice, every branch of a nested conditional counts.
 
     A distributed refresh compiles to one conditional with a branch per device: each device
     runs only its branch, so this shows how many decompositions each device does.
     """
-    bodies: dict[str, list[str]] = {}
-    name = None
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m is not None:
-            name = m.group(1)
-            bodies[name] = []
-        elif line.startswith("}"):
-            name = None
-        elif name is not None:
-            bodies[name].append(line)
-
-    def called(line: str) -> list[str]:
-        return [c.strip().lstrip("%") for group in _CALLED.findall(line) for c in group.split(",") if c.strip()]
-
+    computations = hlo_computations(hlo_text)
     memo: dict[str, int] = {}
 
-    def count(comp: str) -> int:
-        if comp not in memo:
-            memo[comp] = 0  # guards against cycles
-            memo[comp] = sum(
-                (f'custom_call_target="' in line and target in line.split('custom_call_target="')[1].split('"')[0])
-                + sum(count(c) for c in called(line) if c in bodies)
-                for line in bodies.get(comp, [])
-            )
-        return memo[comp]
+    def holds(line: str) -> bool:
+        found = hlo_custom_call_target(line)
+        return found is not None and target in found
 
-    result = []
-    for lines in bodies.values():
-        for line in lines:
-            m = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if m is not None and " conditional(" in line:
-                result.append([count(c.strip().lstrip("%")) for c in m.group(1).split(",")])
-    return result
+    def count(name: str) -> int:
+        if name not in memo:
+            memo[name] = 0  # HLO has no recursion; this only guards against looping on odd text
+            memo[name] = sum(holds(line) + sum(count(c) for c in _callees(computations, line)) for line in computations[name])
+        return memo[name]
+
+    return [[count(b) for b in branches] for branches in hlo_conditionals(computations)]

@@ -8,7 +8,7 @@ over a mesh, with 5 blocks (not divisible by the device count) and with 1 block 
 than blocks); that a device's results for block b come from the device assigned to b (each
 device fed its own statistics); that in the compiled program each device's branch holds exactly
 its blocks' eigendecompositions; which collectives appear. In process (one device): the
-assignment, the fallbacks, the configuration and the HLO readers.
+assignment, the fallbacks and the configuration (the HLO readers: ``test_hlo_readers.py``).
 
 The optimizers' entry points (``distributed_optimizers_child.py``, 4 devices) run by default:
 with the split on, the parameters equal those with it off, bit for bit. The block-level children
@@ -159,32 +159,6 @@ def test_one_device_is_the_plain_computation(x64):
     mesh = jax.sharding.Mesh(np.array(one), ("x",))
     text = str(jax.make_jaxpr(child.work(case.est, distributed.Distribution(mesh=mesh)))(state, grad))
     assert "all_gather" not in text and "shard_map" not in text
-
-
-def test_hlo_readers():
-    text = """HloModule m
-
-%branch_a (p: f32[4,4]) -> f32[4] {
-  %e = (f32[4,4]{0,1}, f32[4]{0}, s32[]) custom-call(%p), custom_call_target="lapack_ssyevd_ffi"
-  %f = (f32[4,4]{0,1}, f32[4]{0}, s32[]) custom-call(%p), custom_call_target="lapack_ssyevd_ffi"
-}
-
-%branch_b (p: f32[4,4]) -> f32[4] {
-  %c = f32[4]{0} call(%p), to_apply=%branch_a
-}
-
-ENTRY %main (x: f32[4,4], i: s32[]) -> f32[2,4] {
-  %k = f32[4]{0} conditional(%i, %x, %x), branch_computations={%branch_a, %branch_b}
-  %g = f32[2,4]{1,0} all-gather(%k), channel_id=1, replica_groups={{0,1}}, dimensions={0}
-  %r = (f64[3]{0}, bf16[8]{0}) all-reduce-start(%k, %k), channel_id=2
-  %d = (f64[3]{0}, bf16[8]{0}) all-reduce-done(%r)
-}
-"""
-    assert distributed.hlo_branch_custom_calls(text, "syevd") == [[2, 2]]
-    assert distributed.hlo_collectives(text) == [
-        {"op": "all-gather", "shapes": ["f32[2,4]"], "bytes": 32},
-        {"op": "all-reduce", "shapes": ["f64[3]", "bf16[8]"], "bytes": 40},
-    ]
 
 
 @pytest.fixture(scope="module")
