@@ -96,7 +96,7 @@ class Phases:
 
 def child(backend: str, result: str, network: str = "default") -> int:
     """Runs FermiNet's default ansatz for a few iterations and records the phases
-    (``network="small"``: the shrunk network of ``clients.py``'s rows)."""
+    (``network="small"``/``"psiformer_small"``: the shrunk networks of ``clients.py``'s rows)."""
     ph = Phases()
     rec: dict[str, Any] = {"backend": backend}
     try:
@@ -151,9 +151,15 @@ def child(backend: str, result: str, network: str = "default") -> int:
         cfg.mcmc.burn_in = 10
         cfg.optim.iterations = ITERATIONS
         cfg.optim.optimizer = "kfac"
-        if network == "small":
+        if network in ("small", "psiformer_small"):
             cfg.network.determinants = 2
             cfg.network.ferminet.hidden_dims = ((16, 4), (16, 4))
+        if network == "psiformer_small":  # clients.py's attention row
+            cfg.network.network_type = "psiformer"
+            cfg.network.psiformer.num_layers = 2
+            cfg.network.psiformer.num_heads = 2
+            cfg.network.psiformer.heads_dim = 8
+            cfg.network.psiformer.mlp_hidden_dims = (16,)
         cfg.debug.deterministic = True
         cfg.log.save_path = tempfile.mkdtemp(prefix="clients_first_step_")
         cfg.log.save_frequency = 1e9
@@ -251,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hlo-dir", type=Path, help="keep the HLO dumps there (one folder per backend)")
     p.add_argument("--dump-hlo", action="store_true", help="also count the instructions of the largest "
                    "compiled programs (XLA_FLAGS=--xla_dump_to; adds a little to the compile times)")
-    p.add_argument("--network", choices=("default", "small"), default="default",
-                   help="small: 2 determinants, hidden ((16, 4), (16, 4)), the network of clients.py's rows")
+    p.add_argument("--network", choices=("default", "small", "psiformer_small"), default="default",
+                   help="small: 2 determinants, hidden ((16, 4), (16, 4)), the network of clients.py's rows; "
+                   "psiformer_small: clients.py's attention row")
     p.add_argument("--repeats", type=int, default=1, help="runs per backend, the backends' order alternating")
     p.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
