@@ -75,14 +75,15 @@ def statistics_are_finite(state: Any, pmap_axis_name: str | None = None) -> jax.
     return finite
 
 
-def keep_finite_statistics(old: Any, new: Any, pmap_axis_name: str | None = None) -> tuple[Any, jax.Array]:
-    """``(new, False)`` when ``new``'s statistics are all finite, else ``(old, True)``.
+def keep_finite_statistics(old: Any, new: Any, pmap_axis_name: str | None = None, valid: Any = True) -> tuple[Any, jax.Array]:
+    """``(new, False)`` when ``new``'s statistics are all finite and ``valid``, else ``(old, True)``.
 
     The guard that keeps one non-finite batch (a NaN example, an overflow) from poisoning a
     moving average for good: the whole update is dropped, not just its bad entries. On finite
-    statistics ``new`` comes back unchanged (a select, bit for bit).
+    statistics ``new`` comes back unchanged (a select, bit for bit). ``valid`` (a boolean
+    scalar, e.g. "the batch's loss is finite") drops it for another reason in the same select.
     """
-    finite = statistics_are_finite(new, pmap_axis_name)
+    finite = jnp.logical_and(statistics_are_finite(new, pmap_axis_name), valid)
     kept = jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
     return kept, jnp.logical_not(finite)
 

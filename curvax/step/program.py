@@ -195,13 +195,12 @@ class StepProgram:
         # only: the user's value_and_grad_func is not called, nor the loss differentiated).
         lin = self.linearize(func_args)
         view = forward.view_of(lin, self.batch_size_extractor(sub_batch))
-        est, skipped = statistics.update_from_view(
-            self.estimator, state.estimator_state, view, k1, self.cfg.estimation_mode, 1.0, self.axis
-        )
         # A batch whose loss is not finite (a NaN example, out-of-range labels whose statistics
         # may still be finite) is invalid: its statistics are dropped too.
-        loss = lin.loss
-        est, skipped = statistics.keep_if(statistics.loss_is_finite(loss, self.axis), state.estimator_state, est, skipped)
+        est, skipped = statistics.update_from_view(
+            self.estimator, state.estimator_state, view, k1, self.cfg.estimation_mode, 1.0, self.axis,
+            valid=statistics.loss_is_finite(lin.loss, self.axis),
+        )
         state = dataclasses.replace(
             state, estimator_state=est, curvature_updates_skipped=state.curvature_updates_skipped + skipped
         )
@@ -253,10 +252,9 @@ class StepProgram:
         cfg = self.cfg
 
         def update(s: Any) -> tuple[Any, jax.Array]:
-            new, skipped = statistics.update_from_view(
-                self.estimator, s, view(), key, cfg.estimation_mode, cfg.curvature_ema, self.axis
+            return statistics.update_from_view(
+                self.estimator, s, view(), key, cfg.estimation_mode, cfg.curvature_ema, self.axis, valid
             )
-            return statistics.keep_if(valid, s, new, skipped)
 
         est_state, skipped = statistics.periodic(step, cfg.curvature_update_period, update, est_state)
         exact, approx = self.cache_powers()

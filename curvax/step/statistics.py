@@ -18,14 +18,14 @@ from curvax import estimators
 from curvax.step.forward import CurvatureView
 
 
-def settle(estimator: Any, old: Any, new: Any, axis: str | None, sync: Any = True) -> tuple[Any, jax.Array]:
+def settle(estimator: Any, old: Any, new: Any, axis: str | None, sync: Any = True, valid: Any = True) -> tuple[Any, jax.Array]:
     """``(state, skipped)``: ``new`` averaged over the pmap ``axis`` (when ``sync``, a bool or a
-    traced boolean) and kept if finite, else ``old`` with ``skipped`` True."""
+    traced boolean) and kept if finite and ``valid``, else ``old`` with ``skipped`` True."""
     if isinstance(sync, bool):
         new = estimator.sync(new, axis) if sync else new
     else:
         new = jax.lax.cond(sync, lambda s: estimator.sync(s, axis), lambda s: s, new)
-    return estimators.keep_finite_statistics(old, new, axis)
+    return estimators.keep_finite_statistics(old, new, axis, valid)
 
 
 def update_from_args(
@@ -48,13 +48,15 @@ def update_from_args(
 
 
 def update_from_view(
-    estimator: Any, state: Any, view: CurvatureView, rng: jax.Array, mode: str, ema: Any, axis: str | None
+    estimator: Any, state: Any, view: CurvatureView, rng: jax.Array, mode: str, ema: Any, axis: str | None,
+    valid: Any = True,
 ) -> tuple[Any, jax.Array]:
-    """``(state, skipped)`` after folding in the batch of a linearized pass (the step's own)."""
+    """``(state, skipped)`` after folding in the batch of a linearized pass (the step's own);
+    dropped like a non-finite update unless ``valid`` (the batch's loss is finite)."""
     new = estimator._update_from_cotangents(
         state, view.losses, view.data_for, rng, mode, ema, 1.0, view.batch_size, axis
     )
-    return settle(estimator, state, new, axis)
+    return settle(estimator, state, new, axis, valid=valid)
 
 
 def periodic(step: jax.Array, period: int, update: Callable[[Any], tuple[Any, jax.Array]], state: Any) -> tuple[Any, jax.Array]:
@@ -75,9 +77,3 @@ def loss_is_finite(loss: jax.Array, axis: str | None) -> jax.Array:
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis) > 0
     return finite
 
-
-def keep_if(valid: jax.Array, old: Any, new: Any, skipped: jax.Array) -> tuple[Any, jax.Array]:
-    """``(new, skipped)`` when ``valid``, else ``(old, True)``: an invalid batch's statistics are
-    dropped whole, like non-finite ones."""
-    state = jax.tree_util.tree_map(lambda a, b: jnp.where(valid, a, b), new, old)
-    return state, skipped | ~valid
