@@ -258,8 +258,8 @@ def cholesky_solve(m: Array, b: Array) -> Array:
     An ``m`` that is not positive definite in its precision gives non-finite values. The
     optimizer's ``curvax.step.precondition`` then redoes the whole preconditioned gradient once
     in float64 (one branch for every block), and skips and reports the update if that fails
-    too. ``psd_solve``'s per-call fallbacks (a float64 retry and a Jacobi solve per call) tripled
-    the compile time of a step that solves with every factor (FermiNet's, 10 solves).
+    too: ``psd_solve``'s fallbacks under a ``lax.cond`` per call made a step that solves with
+    every factor compile several times longer (``benchmarks/solve_compile.py``).
     """
     return _cholesky_solve(symmetrize(m), b)
 
