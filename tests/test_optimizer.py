@@ -244,6 +244,29 @@ def test_state_rng_and_aux_are_threaded_through():
     assert {"param_norm", "grad_norm", "precon_grad_norm", "update_norm"} <= set(stats)
 
 
+@pytest.mark.parametrize("per_param", [False, True])
+def test_norm_stats_are_of_the_returned_params_and_precon_damping_is_reported(per_param):
+    """kfac-jax 0.0.8's stats: ``param_norm`` is the norm of the parameters the step returns
+    (after the update), and ``precon_damping`` is the preconditioner's damping without l2_reg."""
+    with jax.enable_x64(True):
+        _check_norm_stats(per_param)
+
+
+def _check_norm_stats(per_param):
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), init_mlp(KEY))
+    batch = classification_batch(jax.random.PRNGKey(8))
+    opt = make_opt(include_norms_in_stats=True, include_per_param_norms_in_stats=per_param, precon_damping_mult=3.0)
+    state = opt.init(params, KEY, batch)
+    new_params, state, stats = opt.step(params, state, KEY, batch=batch, learning_rate=0.5, momentum=0.0, damping=0.25)
+    flat_new, flat_old = ravel_pytree(new_params)[0], ravel_pytree(params)[0]
+    assert float(jnp.linalg.norm(flat_new - flat_old)) > 1e-2  # the update moved them
+    np.testing.assert_allclose(float(stats["param_norm"]), float(jnp.linalg.norm(flat_new)), rtol=1e-12)
+    np.testing.assert_allclose(float(stats["update_norm"]), float(jnp.linalg.norm(flat_new - flat_old)), rtol=1e-12)
+    if per_param:
+        np.testing.assert_allclose(float(stats["param_norm(1/w)"]), float(jnp.linalg.norm(new_params[1]["w"])), rtol=1e-12)
+    assert float(stats["precon_damping"]) == 0.75
+
+
 def test_burnin_with_batch_only_warns_once_and_iterator_is_consumed():
     params = init_mlp(KEY)
     batch = classification_batch(jax.random.PRNGKey(7))
