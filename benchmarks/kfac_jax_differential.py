@@ -49,6 +49,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
+BATCH = 16
+CLASSES = 4
 BINARY = dict(learning_rate=0.0625, momentum=0.5, damping=0.125)
 # name -> model, coefficients (fixed: passed to step; adaptive: the optimizer's own), estimation mode.
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -87,6 +89,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "one_in_no_bias_adaptive_ggn_exact": dict(model="one_in_no_bias", mode="adaptive", estimation_mode="ggn_exact"),
     "repeated_dense_fixed_ggn_exact": dict(model="repeated_dense", mode="fixed", estimation_mode="ggn_exact"),
     "repeated_dense_adaptive_ggn_exact": dict(model="repeated_dense", mode="adaptive", estimation_mode="ggn_exact"),
+    "repeated_dense_masked_fixed_ggn_exact": dict(model="repeated_dense_masked", mode="fixed", estimation_mode="ggn_exact"),
+    "repeated_dense_masked_adaptive_ggn_exact": dict(model="repeated_dense_masked", mode="adaptive", estimation_mode="ggn_exact"),
+    "repeated_dense_masked_no_bias_fixed_ggn_exact": dict(model="repeated_dense_masked_no_bias", mode="fixed", estimation_mode="ggn_exact"),
     "scale_shift_fixed_ggn_exact": dict(model="scale_shift", mode="fixed", estimation_mode="ggn_exact"),
     "scale_shift_full_fixed_ggn_exact": dict(model="scale_shift", mode="fixed", estimation_mode="ggn_exact", blocks={"scale_and_shift": "ScaleAndShiftFull"}),
     "shared_weight_fixed_ggn_exact": dict(model="shared_weight", mode="fixed", estimation_mode="ggn_exact"),
@@ -108,8 +113,32 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "mlp_adaptive_ggn_exact_min_damping": dict(model="mlp", mode="adaptive", estimation_mode="ggn_exact", optimizer=dict(min_damping=0.6, damping_adaptation_decay=0.5, damping_adaptation_interval=1)),
     "mlp_adaptive_ggn_exact_precon_damping_mult": dict(model="mlp", mode="adaptive", estimation_mode="ggn_exact", optimizer=dict(precon_damping_mult=2.0, include_damping_in_quad_change=True)),
     "mlp_fixed_ggn_exact_curvature_period2": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", optimizer=dict(curvature_update_period=2, inverse_update_period=2)),
+    "mlp_schedule_data_seen_ggn_exact": dict(model="mlp", mode="schedule", estimation_mode="ggn_exact", data_seen=True),
+    "mlp_schedule_adaptive_damping_ggn_exact": dict(model="mlp", mode="schedule", estimation_mode="ggn_exact", optimizer=dict(
+        damping_schedule=None, use_adaptive_damping=True, initial_damping=1.0, damping_adaptation_interval=1, max_damping=1.5)),
+    "mlp_schedule_adaptive_damping_exact_qmodel_ggn_exact": dict(model="mlp", mode="schedule", estimation_mode="ggn_exact", optimizer=dict(
+        damping_schedule=None, use_adaptive_damping=True, initial_damping=1.0, damping_adaptation_interval=1,
+        always_use_exact_qmodel_for_damping_adjustment=True)),
+    "two_losses_fixed_ggn_exact": dict(model="two_losses", mode="fixed", estimation_mode="ggn_exact"),
+    "two_losses_adaptive_fisher_exact": dict(model="two_losses", mode="adaptive", estimation_mode="fisher_exact"),
+    "one_out_sigmoid_fixed_fisher_exact": dict(model="one_out_sigmoid", mode="fixed", estimation_mode="fisher_exact"),
+    "one_out_sigmoid_adaptive_ggn_exact": dict(model="one_out_sigmoid", mode="adaptive", estimation_mode="ggn_exact"),
+    "conv_valid_no_bias_fixed_ggn_exact": dict(model="conv_valid_no_bias", mode="fixed", estimation_mode="ggn_exact"),
+    "conv_valid_no_bias_diagonal_fixed_ggn_exact": dict(model="conv_valid_no_bias", mode="fixed", estimation_mode="ggn_exact", blocks={"conv2d": "Conv2DDiagonal"}),
+    # curvax's empirical Fisher is B times kfac-jax's (docs/migration/kfac_jax.md, EMPIRICAL_FISHER):
+    # with l2_reg, damping and learning rate B times larger curvax takes kfac-jax's steps.
+    "mlp_fixed_fisher_empirical_rescaled": dict(model="mlp", mode="fixed", estimation_mode="fisher_empirical",
+        curvax_optimizer=dict(l2_reg=1e-4 * BATCH), curvax_fixed=dict(learning_rate=0.05 * BATCH, damping=0.1 * BATCH)),
+    "two_losses_fixed_fisher_empirical": dict(model="two_losses", mode="fixed", estimation_mode="fisher_empirical"),
     "mlp_fixed_ggn_exact_norm_identity_weight": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", optimizer=dict(norm_to_scale_identity_weight_per_block="avg_diag")),
 }
+EMPIRICAL_FISHER = (
+    "fisher_empirical: kfac-jax 0.0.8 divides the cotangents w * grad(loss) by sqrt(B), so its statistics are "
+    "(1/B^2) sum_n w^2 g_n g_n^T; curvax's are (1/B) sum_n w g_n g_n^T (sqrt(w) * grad(loss), the same scale as "
+    "the Fisher). mlp_fixed_fisher_empirical (w = 1) differs by that; mlp_fixed_fisher_empirical_rescaled gives "
+    "curvax B times kfac-jax's l2_reg, damping and learning rate, which is then the same step. "
+    "two_losses_fixed_fisher_empirical (w = 0.5 on one loss) differs by both."
+)
 EDGE_CASES = (
     "one_out_*: a final layer with one output (1 x 1 output factor: pi-adjusted damping gives it none, kfac-jax's "
     "scalar-factor rule); one_in_no_bias: a 1 -> 1 layer (both factors 1 x 1) and a 1 -> 8 layer, no biases; "
@@ -135,8 +164,6 @@ KEY_ALIGNMENT = (
 )
 SAMPLED = {"fisher_gradients", "fisher_curvature_prop", "ggn_curvature_prop"}  # curvature propagation: random signs
 
-BATCH = 16
-CLASSES = 4
 FIXED = dict(learning_rate=0.05, momentum=0.5, damping=0.1)
 
 
@@ -238,6 +265,14 @@ def _models(jnp, jax, kfac_jax):
         h = jax.vmap(lambda xs: jnp.mean(jnp.tanh(dense(p["emb"], xs)), axis=0))(x)
         return softmax_xent(dense(p["out"], h), y)
 
+    # The same with padding: the last particle of every other example is masked out of the loss,
+    # so its output cotangents are zero (RepeatedDenseKroneckerFactored's use_masking).
+    def repeated_masked_loss(p, batch):
+        x, y = batch
+        mask = jnp.ones(x.shape[:2]).at[::2, -1].set(0.0)
+        h = jax.vmap(lambda xs, ms: jnp.sum(jnp.tanh(dense(p["emb"], xs)) * ms[:, None], axis=0) / 3.0)(x, mask)
+        return softmax_xent(dense(p["out"], h), y)
+
     # Scale-and-shift (x * s + t) and scale only (x * s) on a hidden layer.
     def scale_shift_init(rng):
         return {"l0": dense_init(rng, 6, 8), "ss": {"scale": 1.0 + 0.1 * rng.normal(size=(8,)), "shift": 0.1 * rng.normal(size=(8,))},
@@ -267,13 +302,52 @@ def _models(jnp, jax, kfac_jax):
     def unused_loss(p, batch):
         return mlp_loss({k: v for k, v in p.items() if k != "unused"}, batch)
 
+    # Two registered losses on two heads: softmax cross-entropy (weight 0.5) and a normal
+    # predictive distribution with variance 2 on a one-output head.
+    def two_losses_init(rng):
+        return {"l0": dense_init(rng, 6, 10), "cls": dense_init(rng, 10, CLASSES), "reg": dense_init(rng, 10, 1)}
+
+    def two_losses_loss(p, batch):
+        x, y = batch
+        h = jnp.tanh(dense(p["l0"], x))
+        logits, mean = dense(p["cls"], h), dense(p["reg"], h)
+        kfac_jax.register_softmax_cross_entropy_loss(logits, y, weight=0.5)
+        ce = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+        target = jnp.sum(x[:, :2], axis=1, keepdims=True)
+        kfac_jax.register_normal_predictive_distribution(mean, target, variance=2.0)
+        return 0.5 * ce + jnp.sum((mean - target) ** 2) / (2 * 2.0) / x.shape[0]
+
+    # A one-output layer with a Bernoulli loss (sigmoid cross-entropy).
+    def sigmoid_loss(p, batch):
+        x, y = batch
+        logit = one_out_body(p, x)
+        t = (y > 0).astype(logit.dtype)
+        kfac_jax.register_sigmoid_cross_entropy_loss(logit, t)
+        return jnp.sum(jnp.maximum(logit, 0) - logit * t + jnp.log1p(jnp.exp(-jnp.abs(logit)))) / x.shape[0]
+
+    # A strided convolution without bias and with VALID padding (9 of 36 locations), then dense.
+    def conv_valid_init(rng):
+        return {"conv": {"w": rng.normal(size=(2, 2, 2, 3)) / np.sqrt(8)}, "out": dense_init(rng, 3 * 3 * 3, CLASSES)}
+
+    def conv_valid_loss(p, batch):
+        x, t = batch
+        y = jax.lax.conv_general_dilated(x, p["conv"]["w"], (2, 2), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        y = jnp.tanh(y).reshape(y.shape[0], -1)
+        return softmax_xent(dense(p["out"], y), t)
+
     return {
+        "two_losses": (two_losses_init, two_losses_loss, lambda i: data(i, (6,), "class")),
+        "one_out_sigmoid": (one_out_init, sigmoid_loss, lambda i: data(i, (6,), "real")),
+        "conv_valid_no_bias": (conv_valid_init, conv_valid_loss, lambda i: data(i, (6, 6, 2), "class")),
         "mlp": (mlp_init, mlp_loss, lambda i: data(i, (6,), "class")),
         "cnn_ln": (cnn_init, cnn_loss, lambda i: data(i, (6, 6, 2), "class")),
         "one_out_squared": (one_out_init, lambda p, b: squared_error(one_out_body(p, b[0]), b[1]), lambda i: data(i, (6,), "real")),
         "one_out_normal": (one_out_init, lambda p, b: normal_nll(one_out_body(p, b[0]), b[1]), lambda i: data(i, (6,), "real")),
         "one_in_no_bias": (one_in_init, one_in_loss, lambda i: data(i, (1,), "class")),
         "repeated_dense": (repeated_init, repeated_loss, lambda i: data(i, (3, 6), "class")),
+        "repeated_dense_masked": (repeated_init, repeated_masked_loss, lambda i: data(i, (3, 6), "class")),
+        "repeated_dense_masked_no_bias": (lambda rng: {"emb": dense_init(rng, 6, 10, bias=False), "out": dense_init(rng, 10, CLASSES)},
+                                          repeated_masked_loss, lambda i: data(i, (3, 6), "class")),
         "scale_shift": (scale_shift_init, scale_shift_loss, lambda i: data(i, (6,), "class")),
         "shared_weight": (shared_init, shared_loss, lambda i: data(i, (6,), "class")),
         "unused_param": (unused_init, unused_loss, lambda i: data(i, (6,), "class")),
@@ -285,6 +359,14 @@ SCHEDULES = dict(
     learning_rate_schedule=lambda t: 0.05 / (1.0 + 0.25 * t),
     momentum_schedule=lambda t: 0.5 - 0.3 / (1.0 + t),
     damping_schedule=lambda t: 0.1 * 0.7 ** t,
+)
+# The same as functions of the examples seen (kfac-jax passes ``data_seen`` to a schedule that
+# has a parameter of that name); the defaults would give other numbers if it were not passed.
+DATA_SEEN_SCHEDULES = dict(
+    learning_rate_schedule=lambda t, data_seen=0: 0.05 / (1.0 + data_seen / (4.0 * BATCH)),
+    momentum_schedule=lambda t, data_seen=0: 0.5 - 0.3 / (1.0 + data_seen / BATCH),
+    damping_schedule=lambda t, data_seen=0: 0.1 * 0.7 ** (data_seen / BATCH),
+    precon_damping_schedule=lambda t, data_seen=0: 0.2 * 0.7 ** (data_seen / BATCH),
 )
 
 
@@ -345,10 +427,12 @@ def run_child(backend: str, configs: list[str], steps: int, out_path: Path, over
             include_norms_in_stats=True,
         )
         if mode == "schedule":
-            kwargs.update(SCHEDULES)
+            kwargs.update(DATA_SEEN_SCHEDULES if cfg.get("data_seen") else SCHEDULES)
         if "blocks" in cfg:  # tag name -> block class name, e.g. {"dense": "DenseFull"}
             kwargs["layer_tag_to_block_ctor"] = {t: getattr(kfac_jax, c) for t, c in cfg["blocks"].items()}
         kwargs.update(cfg.get("optimizer", {}))
+        if backend == "curvax":
+            kwargs.update(cfg.get("curvax_optimizer", {}))
         kwargs.update(overrides)
         align = cfg.get("align_keys", False)
         if align:
@@ -366,6 +450,8 @@ def run_child(backend: str, configs: list[str], steps: int, out_path: Path, over
                 if align and backend == "kfac_jax":  # the key curvax's estimator samples with (KEY_ALIGNMENT)
                     key = jax.random.split(jax.random.split(key)[0], 1)[0]
                 step_kw = dict(cfg.get("fixed", FIXED)) if mode == "fixed" else {}
+                if backend == "curvax" and mode == "fixed":
+                    step_kw.update(cfg.get("curvax_fixed", {}))
                 params, state, stats = opt.step(params, state, key, data_iterator=batches, **step_kw)
                 flat = np.concatenate([np.ravel(np.asarray(a)) for a in jax.tree_util.tree_leaves(params)])
                 row = {"params": [float(v) for v in flat], "stats": _scalar_stats(stats, np)}
@@ -499,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         "sampling_keys": KEY_ALIGNMENT,
         "float32_coefficients": FLOAT32_NOTE,
         "edge_cases": EDGE_CASES,
+        "empirical_fisher": EMPIRICAL_FISHER,
         "summary": {n: {"max_abs_param_diff": r.get("max_abs_param_diff"), "max_rel_param_diff": r.get("max_rel_param_diff"),
                         "max_rel_stat_diff": max(r.get("max_rel_stat_diff", {}).values(), default=None),
                         "sampled": r["sampled"], "error": r.get("error_curvax") or r.get("error_kfac_jax")}

@@ -27,18 +27,18 @@ class DampingUpdate(NamedTuple):
     damping: jax.Array
 
 
-def step_damping(cfg: StepConfig, state_damping: jax.Array, given: jax.Array, step: jax.Array) -> jax.Array:
+def step_damping(cfg: StepConfig, state_damping: jax.Array, given: jax.Array, step: jax.Array, data_seen: jax.Array) -> jax.Array:
     """This step's damping: the state's (adaptive), the schedule's, or the ``given`` one."""
     if cfg.adaptive_damping:
         return state_damping
-    return schedule_value(cfg.damping_schedule, given, step)
+    return schedule_value(cfg.damping_schedule, given, step, data_seen)
 
 
-def precon_damping(cfg: StepConfig, damping: jax.Array, step: jax.Array) -> jax.Array:
+def precon_damping(cfg: StepConfig, damping: jax.Array, step: jax.Array, data_seen: jax.Array) -> jax.Array:
     """The preconditioner's damping (the ``precon_damping`` stat): its own schedule (kfac-jax
     0.0.8), or the damping times ``precon_damping_mult`` (1 by default: the damping itself)."""
     if cfg.precon_damping_schedule is not None:
-        return jnp.asarray(cfg.precon_damping_schedule(step), utils.coefficient_dtype())
+        return schedule_value(cfg.precon_damping_schedule, damping, step, data_seen)
     return damping * cfg.precon_damping_mult
 
 

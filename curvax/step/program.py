@@ -283,8 +283,8 @@ class StepProgram:
         make_args = lambda b: self.func.make_args(params, func_state, k_func, b)
         func_args = make_args(batch)
         pj = self.trace(func_args)
-        damp = damping.step_damping(cfg, state.damping, damp_arg, step)
-        precon_damp = damping.precon_damping(cfg, damp, step)
+        damp = damping.step_damping(cfg, state.damping, damp_arg, step, state.data_seen)
+        precon_damp = damping.precon_damping(cfg, damp, step, state.data_seen)
         identity_weight = damping.identity_weight(cfg, precon_damp)
         g = self.gradient(func_args, pj)
         view = self.curvature_view(g.lin, batch, batch_size, make_args, k_est, size_of)
@@ -297,8 +297,8 @@ class StepProgram:
             like=params, distribution=self.distribution,
         )
         # Phase 5: the coefficients, with the norm constraint on the preconditioned gradient.
-        lr = coefficients.schedule_value(cfg.lr_schedule, lr_arg, step)
-        mom = coefficients.schedule_value(cfg.momentum_schedule, mom_arg, step)
+        lr = coefficients.schedule_value(cfg.lr_schedule, lr_arg, step, state.data_seen)
+        mom = coefficients.schedule_value(cfg.momentum_schedule, mom_arg, step, state.data_seen)
         scaled_sq = None
         if cfg.norm_constraint is not None:
             precon, scaled_sq = precondition.constrain_norm(precon, g.grads, cfg.norm_constraint, scale=lr)
