@@ -9,21 +9,35 @@ the parent compares them and writes, per configuration and step, the largest abs
 difference ``max |p_curvax - p_kfac_jax|``, the relative one (that divided by ``max |p_kfac_jax|``),
 the largest elementwise relative difference, and both losses.
 
+Every scalar entry of the step's stats (``include_norms_in_stats=True``: ``param_norm``,
+``precon_grad_norm``, ``update_norm``, ..., and ``precon_damping``, ``rho``, ...) is compared as
+well: per configuration the largest relative difference of each, and the keys only one backend
+returns.
+
 Configurations (``CONFIGS``): an MLP (tanh, softmax cross-entropy) and a CNN (conv, LayerNorm
 as normalise-then-``x * scale + shift``, ReLU, average pooling, dense, softmax cross-entropy),
 both in plain JAX so that kfac-jax's automatic registration and curvax's detection see the same
-program; fixed coefficients (``learning_rate``/``momentum``/``damping`` passed to ``step``) and
-adaptive ones (``use_adaptive_learning_rate``/``momentum``/``damping``); exact curvature
+program; fixed coefficients (``learning_rate``/``momentum``/``damping`` passed to ``step``),
+adaptive ones (``use_adaptive_learning_rate``/``momentum``/``damping``) and schedules (of the
+step, or of ``data_seen``); exact curvature
 (``ggn_exact``, ``fisher_exact``) and sampled (``fisher_gradients``: labels drawn from the model;
 ``ggn_curvature_prop`` and ``fisher_curvature_prop``: curvature propagation with random sign
-vectors), with the same step keys in both.
+vectors), with the same step keys in both. Then the blocks' edge cases (``EDGE_CASES``): layers
+with one output or one input (1 x 1 Kronecker factors), a dense layer over an extra axis with and
+without padding, scale-and-shift (vector and scalar scale), strided and VALID convolutions, a
+shared and an unused parameter, two losses, per-position logits with a mask, the other block
+classes (full, diagonal, TNT, naive, scaled identity) and optimizer options (``norm_constraint``,
+``min_damping``/``max_damping``, ``precon_damping_mult``, ``curvature_update_period``,
+``inverse_update_period``, ``use_exact_inverses``). The differences that remain are explained in
+``EMPIRICAL_FISHER`` and ``SEQUENCE_LOGITS`` and in docs/migration/kfac_jax.md (a repeated dense
+layer's bias row with padding: ``repeated_dense_masked*``).
 
 kfac-jax 0.0.8 needs JAX <= 0.9.1 (its jaxpr interpreter fails on newer JAX); run this script with
 the interpreter of such an environment, with curvax importable (this checkout is put on the
 children's ``PYTHONPATH``)::
 
     python3 -m venv /tmp/kfj && /tmp/kfj/bin/pip install "jax==0.9.0" "jaxlib==0.9.0" kfac-jax==0.0.8 optax
-    /tmp/kfj/bin/python benchmarks/kfac_jax_differential.py           # ~4 minutes on 2 CPU cores
+    /tmp/kfj/bin/python benchmarks/kfac_jax_differential.py           # ~12 minutes on 2 CPU cores
     /tmp/kfj/bin/python benchmarks/kfac_jax_differential.py --configs mlp_fixed_ggn --steps 3
 
 ``--curvax-python`` runs the curvax child with another interpreter (e.g. a newer JAX): the
@@ -103,6 +117,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "mlp_generic_only_fixed_ggn_exact": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", optimizer=dict(register_only_generic=True)),
     "cnn_ln_conv_diagonal_fixed_ggn_exact": dict(model="cnn_ln", mode="fixed", estimation_mode="ggn_exact", blocks={"conv2d": "Conv2DDiagonal"}),
     "cnn_ln_conv_full_fixed_ggn_exact": dict(model="cnn_ln", mode="fixed", estimation_mode="ggn_exact", blocks={"conv2d": "Conv2DFull"}),
+    "mlp_generic_naive_full_fixed_ggn_exact": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", blocks={"generic": "NaiveFull"}, optimizer=dict(register_only_generic=True)),
+    "mlp_generic_naive_tnt_fixed_ggn_exact": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", blocks={"generic": "NaiveTNT"}, optimizer=dict(register_only_generic=True)),
+    "scale_shift_scaled_identity_fixed_ggn_exact": dict(model="scale_shift", mode="fixed", estimation_mode="ggn_exact", blocks={"scale_and_shift": "ScaledIdentity"}),
+    "mlp_dense_full_adaptive_ggn_exact": dict(model="mlp", mode="adaptive", estimation_mode="ggn_exact", blocks={"dense": "DenseFull"}),
     "mlp_tnt_fixed_ggn_exact": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", blocks={"dense": "DenseTNT"}),
     # Optimizer options.
     "mlp_fixed_ggn_exact_norm_constraint": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", optimizer=dict(norm_constraint=1e-3)),
