@@ -124,6 +124,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "mlp_tnt_fixed_ggn_exact": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", blocks={"dense": "DenseTNT"}),
     # Optimizer options.
     "mlp_fixed_ggn_exact_norm_constraint": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", optimizer=dict(norm_constraint=1e-3)),
+    "mlp_fixed_ggn_exact_per_param_norms": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", optimizer=dict(include_per_param_norms_in_stats=True)),
     "mlp_schedule_ggn_exact": dict(model="mlp", mode="schedule", estimation_mode="ggn_exact"),
     "mlp_schedule_ggn_exact_period3": dict(model="mlp", mode="schedule", estimation_mode="ggn_exact", optimizer=dict(inverse_update_period=3)),
     "mlp_fixed_fisher_empirical": dict(model="mlp", mode="fixed", estimation_mode="fisher_empirical"),
