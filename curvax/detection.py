@@ -630,6 +630,23 @@ def _fallback_reason(program: Program, live: frozenset[int], key: Key, uses: int
     return "no known layer pattern uses it"
 
 
+def _repeated_dense(site: LayerSite, inputs: Sequence[jax.ShapeDtypeStruct]) -> bool:
+    """Whether a detected dense layer is applied over extra axes (input ``(B, ..., d_in)``, one
+    application, outside ``lax.scan``): kfac-jax 0.0.8's graph matcher makes such a layer its
+    ``"repeated_dense"`` variant, whose block (``RepeatedDenseKroneckerFactored``) leaves the
+    positions with an all-zero output cotangent (padding) out of the statistics. Without padding
+    that block equals the plain dense one."""
+    return (
+        site.tag is tags.dense
+        and site.scan is None
+        and not site.extra_uses
+        and site.meta.get("kernel_layout") in ("io", "oi")
+        and "variant" not in site.meta
+        and len(inputs) == 1
+        and len(inputs[0].shape) > 2
+    )
+
+
 def site_to_tag_eqn(program: Program, site: LayerSite) -> tags.LayerTagEqn:
     """The block-facing description of a layer (shapes, dtypes, meta)."""
 
@@ -683,6 +700,8 @@ def site_to_tag_eqn(program: Program, site: LayerSite) -> tags.LayerTagEqn:
     meta = dict(site.meta)
     if scan is not None:
         meta["scan_mode"], meta["scan_length"] = scan.mode, scan.length
+    if _repeated_dense(site, inputs):
+        meta["variant"] = "repeated_dense"
     return tags.LayerTagEqn(
         primitive=site.tag,
         outputs=outputs,

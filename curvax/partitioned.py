@@ -612,12 +612,13 @@ def ctor_within_budget(
 ) -> Callable[..., Any]:
     """The block constructor of a layer under a factor budget.
 
-    Only the plain dense K-FAC block (``ctor is DenseTwoKroneckerFactored``, the default for
-    dense layers) is replaced, and only when one of its factors exceeds ``factor_budget``: by
-    ``DensePartitionedKroneckerFactored`` with that budget, which partitions (or diagonalises)
-    just the oversized factors. Any other constructor, chosen by the user, is kept.
+    Only the default dense K-FAC blocks (``DenseTwoKroneckerFactored``, and
+    ``RepeatedDenseKroneckerFactored`` for a dense layer over extra axes) are replaced, and only
+    when one of their factors exceeds ``factor_budget``: by ``DensePartitionedKroneckerFactored``
+    with that budget, which partitions (or diagonalises) just the oversized factors (over all
+    positions: padding is not masked there). Any other constructor, chosen by the user, is kept.
     """
-    if factor_budget is None or ctor is not blocks.DenseTwoKroneckerFactored:
+    if factor_budget is None or ctor not in (blocks.DenseTwoKroneckerFactored, blocks.RepeatedDenseKroneckerFactored):
         return ctor
     budgeted = functools.partial(
         DensePartitionedKroneckerFactored, factor_budget=factor_budget, oversized_factor=oversized_factor

@@ -19,7 +19,8 @@ def test_scaled_down_gpt2_trains_with_kfac(untied):
     assert r["all_finite"]
     assert r["losses"][-1] < r["losses"][0] - 0.2, r["losses"]  # random tokens: log(97) = 4.57 at the start
     table = r["registration_table"]
-    assert table.count("DenseTwoKroneckerFactored") == 8 + untied  # 4 dense layers per block, and the head
+    # 4 dense layers per block, and the head, all over the sequence axis: the repeated-dense block
+    assert table.count("RepeatedDenseKroneckerFactored") == 8 + untied
     assert table.count("ScaleAndShiftDiagonal") == 5  # 2 LayerNorms per block and the final one
     # The tied embedding/head is one weight used twice: a diagonal block, and the table says why.
     assert ("weight sharing" in table) != untied

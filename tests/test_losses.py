@@ -223,6 +223,19 @@ def test_replicated_one_hot_is_factor_of_one_hot(name: str) -> None:
         assert got[0].shape == inner
 
 
+def test_one_hot_columns_of_per_position_logits_give_the_hessian() -> None:
+    """Logits with an extra (position) axis: the columns ``B e_(t, c)`` for every index of the
+    inner shape, outer products summed, are the Hessian of the summed per-position
+    cross-entropy (block-diagonal over positions). kfac-jax 0.0.8's columns subtract
+    ``p * sqrt(p[t, c])`` at every position (error 0.69 here); curvax's only at position t."""
+    logits = jax.random.normal(jax.random.PRNGKey(0), (1, 2, 3))
+    loss = losses.CategoricalLogitsNegativeLogProbLoss(logits)
+    cols = [np.ravel(loss.multiply_ggn_factor_replicated_one_hot(i)[0]) for i in np.ndindex(logits.shape[1:])]
+    c = np.stack(cols, axis=1)
+    hessian = jax.hessian(lambda z: -jnp.sum(jax.nn.log_softmax(z)[..., 0]))(logits).reshape(6, 6)
+    np.testing.assert_allclose(c @ c.T, hessian, atol=1e-14)
+
+
 def test_replicated_one_hot_rejects_bad_index() -> None:
     loss = categorical_loss()
     with pytest.raises(ValueError, match="one entry per non-batch dim"):

@@ -36,7 +36,8 @@ def test_trace_and_logdet_of_an_abstract_transformer_fit_in_the_factors_memory()
     d, ff, layers, vocab = 256, 1024, 3, 512  # ~2.6M parameters, 19 Kronecker blocks
     # The benchmark's model and abstract state: float32, 2 sequences of 8 tokens.
     est, state, params = operator_memory.abstract_kfac(d, ff, layers, vocab, batch=2, seq=8)
-    assert [type(b).__name__ for b in est.blocks] == ["DenseTwoKroneckerFactored"] * (6 * layers + 1)
+    # Dense layers over the sequence axis: the repeated-dense block (kfac-jax's for them).
+    assert [type(b).__name__ for b in est.blocks] == ["RepeatedDenseKroneckerFactored"] * (6 * layers + 1)
     n = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
     factor_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state))
     largest = max(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state))

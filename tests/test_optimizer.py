@@ -171,6 +171,26 @@ def test_step_compiles_once_and_schedules_are_used():
     assert int(state.step_counter) == 7 and int(state.data_seen) == 7 * 16
 
 
+def test_schedules_with_a_data_seen_parameter_get_the_examples_seen_before_the_step():
+    """kfac-jax 0.0.8 calls a schedule with ``data_seen=`` when it has a parameter of that
+    name; one with a default (``data_seen=0``) would otherwise run silently on its default."""
+    params = init_mlp(KEY)
+    batch = classification_batch(jax.random.PRNGKey(3))  # 16 examples
+    lr = lambda step, data_seen=0: 0.1 / (1.0 + data_seen / 16.0)
+    mom = lambda step, *, data_seen: 0.5 * data_seen / (data_seen + 16.0)
+    damp = lambda step, data_seen=0: 1.0 / (1.0 + data_seen / 32.0)
+    opt = make_opt(learning_rate_schedule=lr, momentum_schedule=mom, damping_schedule=damp,
+                   precon_damping_schedule=lambda step, data_seen=0: 2.0 + data_seen / 16.0, include_norms_in_stats=True)
+    state = opt.init(params, KEY, batch)
+    for i in range(3):
+        params, state, stats = opt.step(params, state, jax.random.PRNGKey(i), batch=batch)
+        seen = 16.0 * i
+        np.testing.assert_allclose(float(stats["learning_rate"]), 0.1 / (1.0 + i), rtol=1e-6)
+        np.testing.assert_allclose(float(stats["momentum"]), 0.5 * seen / (seen + 16.0), rtol=1e-6)
+        np.testing.assert_allclose(float(stats["damping"]), 1.0 / (1.0 + seen / 32.0), rtol=1e-6)
+        np.testing.assert_allclose(float(stats["precon_damping"]), 2.0 + i, rtol=1e-6)
+
+
 def test_a_float64_run_evaluates_schedules_in_float64():
     """The step counter is JAX's default integer, as kfac-jax's: under ``jax_enable_x64`` a
     schedule ``n -> 0.05 / (1 + n / 1e4)`` (DeepQMC's) gives 0.05 exactly, where an int32
@@ -242,6 +262,29 @@ def test_state_rng_and_aux_are_threaded_through():
     assert int(fstate["count"]) == 2
     assert "noise" in stats["aux"]
     assert {"param_norm", "grad_norm", "precon_grad_norm", "update_norm"} <= set(stats)
+
+
+@pytest.mark.parametrize("per_param", [False, True])
+def test_norm_stats_are_of_the_returned_params_and_precon_damping_is_reported(per_param):
+    """kfac-jax 0.0.8's stats: ``param_norm`` is the norm of the parameters the step returns
+    (after the update), and ``precon_damping`` is the preconditioner's damping without l2_reg."""
+    with jax.enable_x64(True):
+        _check_norm_stats(per_param)
+
+
+def _check_norm_stats(per_param):
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), init_mlp(KEY))
+    batch = classification_batch(jax.random.PRNGKey(8))
+    opt = make_opt(include_norms_in_stats=True, include_per_param_norms_in_stats=per_param, precon_damping_mult=3.0)
+    state = opt.init(params, KEY, batch)
+    new_params, state, stats = opt.step(params, state, KEY, batch=batch, learning_rate=0.5, momentum=0.0, damping=0.25)
+    flat_new, flat_old = ravel_pytree(new_params)[0], ravel_pytree(params)[0]
+    assert float(jnp.linalg.norm(flat_new - flat_old)) > 1e-2  # the update moved them
+    np.testing.assert_allclose(float(stats["param_norm"]), float(jnp.linalg.norm(flat_new)), rtol=1e-12)
+    np.testing.assert_allclose(float(stats["update_norm"]), float(jnp.linalg.norm(flat_new - flat_old)), rtol=1e-12)
+    if per_param:
+        np.testing.assert_allclose(float(stats["param_norm(1/w)"]), float(jnp.linalg.norm(new_params[1]["w"])), rtol=1e-12)
+    assert float(stats["precon_damping"]) == 0.75
 
 
 def test_burnin_with_batch_only_warns_once_and_iterator_is_consumed():

@@ -91,3 +91,32 @@ def test_masked_sequence_loss_in_the_estimator_equals_the_unpadded_model():
     np.testing.assert_allclose(padded, unpadded, rtol=1e-10, atol=1e-12)
     plain_padded = estimate((x, labels, jnp.broadcast_to(mask, (B, T))), curvax.DenseTwoKroneckerFactored)
     assert np.abs(plain_padded - unpadded).max() > 1e-3  # the plain block counts the padding in A
+
+
+def test_detection_gives_a_dense_layer_over_extra_axes_the_repeated_block():
+    """kfac-jax 0.0.8's graph matcher makes ``x @ w + b`` with ``x`` of shape ``(B, T, d)`` its
+    ``repeated_dense`` variant, whose default block masks padding; so does curvax's detection.
+    With the default blocks the padded, masked batch gives the unpadded model's curvature."""
+    k = jax.random.split(jax.random.PRNGKey(5), 3)
+    params = {"w": jax.random.normal(k[0], (DIN, 6)) / 2, "b": jnp.zeros(6)}
+    x = jax.random.normal(k[1], (B, T, DIN))
+    labels = jax.random.randint(k[2], (B, T), 0, 6)
+    mask = jnp.broadcast_to(jnp.arange(T)[None, :] < KEEP, (B, T))
+
+    def loss(p, batch):
+        xs, ys, m = batch
+        logits = xs @ p["w"] + p["b"]
+        curvax.register_softmax_cross_entropy_loss(logits, ys, mask=m)
+        return 0.0
+
+    def estimate(data):
+        est = curvax.BlockDiagonalCurvature(loss)
+        st = est.init(jax.random.PRNGKey(0), (params, data))
+        st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, B, jax.random.PRNGKey(4), (params, data),
+                                                  estimation_mode="ggn_exact")
+        return est, est.to_dense_matrix(st)
+
+    est, padded = estimate((x, labels, mask))
+    assert [type(b) for b in est.blocks] == [curvax.RepeatedDenseKroneckerFactored]
+    _, unpadded = estimate((x[:, :KEEP], labels[:, :KEEP], jnp.ones((B, KEEP), bool)))
+    np.testing.assert_allclose(padded, unpadded, rtol=1e-10, atol=1e-12)

@@ -93,7 +93,7 @@ def test_kfac_expand_is_exact_for_a_per_position_loss(batch):
     A (x) G from KFAC-expand equals the exact GGN block for any batch size."""
     loss, params, data = problem(PerPosition, batch)
     est, state = estimate(loss, params, data)
-    assert [type(b).__name__ for b in est.blocks] == ["DenseTwoKroneckerFactored"]
+    assert [type(b).__name__ for b in est.blocks] == ["RepeatedDenseKroneckerFactored"]  # KFAC-expand, padding masked
     np.testing.assert_allclose(est.to_dense_matrix(state), ggn_oracle(PerPosition, params, data), rtol=1e-8, atol=1e-10)
 
 

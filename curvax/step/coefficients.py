@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from curvax import utils
-from curvax.step.config import StepConfig
+from curvax.step.config import StepConfig, call_schedule
 from curvax.step.precondition import curvature_product
 
 QuadModel = tuple  # (A, D, b), see the module docstring
@@ -26,9 +26,12 @@ def fixed(learning_rate: Any, momentum: Any) -> jax.Array:
     return jnp.stack([-learning_rate, momentum])
 
 
-def schedule_value(schedule: Callable[[Any], Any] | None, given: jax.Array, step: jax.Array) -> jax.Array:
-    """``schedule(step)`` (in ``utils.coefficient_dtype()``) when there is a schedule, else the ``given`` value."""
-    return jnp.asarray(schedule(step), utils.coefficient_dtype()) if schedule is not None else given
+def schedule_value(schedule: Callable[..., Any] | None, given: jax.Array, step: jax.Array, data_seen: jax.Array) -> jax.Array:
+    """The schedule's value at ``step`` (``config.call_schedule``: with ``data_seen`` where the
+    schedule takes it), in ``utils.coefficient_dtype()``; the ``given`` value when there is none."""
+    if schedule is None:
+        return given
+    return jnp.asarray(call_schedule(schedule, step, data_seen), utils.coefficient_dtype())
 
 
 def exact_quad_model(

@@ -8,6 +8,7 @@ of them, frozen so that the compiled step cannot see a later change.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any, Callable, Mapping
 
@@ -348,6 +349,17 @@ def check_concrete_coefficient(value: Any, name: str, l2_reg: float) -> None:
         raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
 
 
+def call_schedule(schedule: Callable[..., Any], step: Any, data_seen: Any) -> Any:
+    """``schedule(step)``, or ``schedule(step, data_seen=data_seen)`` when the schedule has a
+    parameter named ``data_seen`` (the examples seen before this step): kfac-jax 0.0.8 calls its
+    schedules so, and a schedule of the data seen gets them in curvax too."""
+    try:
+        takes_data_seen = "data_seen" in inspect.signature(schedule).parameters
+    except (TypeError, ValueError):  # no signature (some builtins): called with the step only
+        takes_data_seen = False
+    return schedule(step, data_seen=data_seen) if takes_data_seen else schedule(step)
+
+
 def check_schedules(cfg: StepConfig) -> None:
     """Each schedule's value at step 0, where it can be computed on the host, passes
     ``check_concrete_coefficient`` (``ValueError`` naming the schedule otherwise). A schedule
@@ -359,7 +371,7 @@ def check_schedules(cfg: StepConfig) -> None:
         if schedule is None:
             continue
         try:
-            value = schedule(jnp.zeros([], int))
+            value = call_schedule(schedule, jnp.zeros([], int), jnp.zeros([], int))
         except Exception:  # noqa: BLE001 - the step calls it again and shows its own error
             continue
         try:

@@ -27,21 +27,25 @@ class DampingUpdate(NamedTuple):
     damping: jax.Array
 
 
-def step_damping(cfg: StepConfig, state_damping: jax.Array, given: jax.Array, step: jax.Array) -> jax.Array:
+def step_damping(cfg: StepConfig, state_damping: jax.Array, given: jax.Array, step: jax.Array, data_seen: jax.Array) -> jax.Array:
     """This step's damping: the state's (adaptive), the schedule's, or the ``given`` one."""
     if cfg.adaptive_damping:
         return state_damping
-    return schedule_value(cfg.damping_schedule, given, step)
+    return schedule_value(cfg.damping_schedule, given, step, data_seen)
 
 
-def identity_weight(cfg: StepConfig, damping: jax.Array, step: jax.Array) -> jax.Array:
-    """``l2_reg`` plus the preconditioner's damping: its own schedule (kfac-jax 0.0.8), or the
-    damping times ``precon_damping_mult`` (1 by default: the damping itself)."""
+def precon_damping(cfg: StepConfig, damping: jax.Array, step: jax.Array, data_seen: jax.Array) -> jax.Array:
+    """The preconditioner's damping (the ``precon_damping`` stat): its own schedule (kfac-jax
+    0.0.8), or the damping times ``precon_damping_mult`` (1 by default: the damping itself)."""
     if cfg.precon_damping_schedule is not None:
-        precon_damping = jnp.asarray(cfg.precon_damping_schedule(step), utils.coefficient_dtype())
-    else:
-        precon_damping = damping * cfg.precon_damping_mult
-    return cfg.l2_reg + precon_damping
+        return schedule_value(cfg.precon_damping_schedule, damping, step, data_seen)
+    return damping * cfg.precon_damping_mult
+
+
+def identity_weight(cfg: StepConfig, precon: jax.Array) -> jax.Array:
+    """The weight of the identity added to the curvature: ``l2_reg`` plus ``precon``, the
+    preconditioner's damping (``precon_damping``)."""
+    return cfg.l2_reg + precon
 
 
 def decay_factor(cfg: StepConfig) -> float:

@@ -281,8 +281,9 @@ class StepProgram:
         make_args = lambda b: self.func.make_args(params, func_state, k_func, b)
         func_args = make_args(batch)
         pj = self.trace(func_args)
-        damp = damping.step_damping(cfg, state.damping, damp_arg, step)
-        identity_weight = damping.identity_weight(cfg, damp, step)
+        damp = damping.step_damping(cfg, state.damping, damp_arg, step, state.data_seen)
+        precon_damp = damping.precon_damping(cfg, damp, step, state.data_seen)
+        identity_weight = damping.identity_weight(cfg, precon_damp)
         g = self.gradient(func_args, pj)
         view = self.curvature_view(g.lin, batch, batch_size, make_args, k_est, size_of)
         est_state, curvature_skipped = self.update_curvature(
@@ -294,8 +295,8 @@ class StepProgram:
             like=params, distribution=self.distribution,
         )
         # Phase 5: the coefficients, with the norm constraint on the preconditioned gradient.
-        lr = coefficients.schedule_value(cfg.lr_schedule, lr_arg, step)
-        mom = coefficients.schedule_value(cfg.momentum_schedule, mom_arg, step)
+        lr = coefficients.schedule_value(cfg.lr_schedule, lr_arg, step, state.data_seen)
+        mom = coefficients.schedule_value(cfg.momentum_schedule, mom_arg, step, state.data_seen)
         scaled_sq = None
         if cfg.norm_constraint is not None:
             precon, scaled_sq = precondition.constrain_norm(precon, g.grads, cfg.norm_constraint, scale=lr)
@@ -345,11 +346,12 @@ class StepProgram:
         out = stats.step_stats(stats.StepOutcome(
             step + 1, total_batch_size, new_state.data_seen, g.loss, adapted.new_loss, coeffs, damp, adapted.rho,
             quad_change, jnp.logical_not(finite), new_state.updates_skipped, curvature_skipped,
-            new_state.curvature_updates_skipped, diverged,
+            new_state.curvature_updates_skipped, diverged, precon_damp,
         ))
         for name in ("learning_rate", "momentum", "damping"):
             out[f"{name}_invalid"] = invalid.get(name, jnp.asarray(False))
-        self._extra_stats(out, scaled_sq, g.aux, params, g.grads, precon, delta)
+        # The parameter norms are those of the parameters this step returns (kfac-jax 0.0.8's).
+        self._extra_stats(out, scaled_sq, g.aux, new_params, g.grads, precon, delta)
         return new_params, new_state, g.func_state if self.func.has_state else func_state, out
 
     def _extra_stats(self, out: dict, scaled_sq: Any, aux: Any, params: Any, grads: Any, precon: Any, delta: Any) -> None:

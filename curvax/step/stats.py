@@ -27,6 +27,7 @@ class StepOutcome(NamedTuple):
     curvature_update_skipped: jax.Array
     curvature_updates_skipped: jax.Array
     loss_diverged: jax.Array
+    precon_damping: jax.Array
 
 
 def step_stats(out: StepOutcome) -> dict[str, Any]:
@@ -40,6 +41,7 @@ def step_stats(out: StepOutcome) -> dict[str, Any]:
         "learning_rate": -out.coeffs[0],
         "momentum": out.coeffs[1],
         "damping": jnp.asarray(out.damping, utils.coefficient_dtype()),
+        "precon_damping": jnp.asarray(out.precon_damping, utils.coefficient_dtype()),
         "rho": out.rho,
         "quad_model_change": out.quad_change,
         "update_skipped": out.update_skipped,  # loss, gradient or update not finite: params unchanged
@@ -51,8 +53,9 @@ def step_stats(out: StepOutcome) -> dict[str, Any]:
 
 
 def norm_stats(params: Any, grads: Any, precon: Any, delta: Any, per_param: bool) -> dict[str, jax.Array]:
-    """Euclidean norms of the parameters, gradient, preconditioned gradient and update: global
-    ones, or per leaf (``<name>_norm(<path>)``) with ``per_param``."""
+    """Euclidean norms of the parameters (those the step returns, updated), gradient,
+    preconditioned gradient and update: global ones, or per leaf (``<name>_norm(<path>)``) with
+    ``per_param``."""
     if not per_param:
         return {
             "param_norm": utils.norm(params),
