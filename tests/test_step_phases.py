@@ -78,8 +78,11 @@ def test_model_change_is_the_quadratic_form(include_damping):
 def test_fixed_coefficients_and_schedules():
     np.testing.assert_array_equal(coefficients.fixed(jnp.float32(0.1), jnp.float32(0.9)), np.float32([-0.1, 0.9]))
     given = jnp.float32(3.0)
-    assert coefficients.schedule_value(None, given, jnp.int32(4)) is given
-    assert float(coefficients.schedule_value(lambda s: 2.0 * s, given, jnp.int32(4))) == 8.0
+    assert coefficients.schedule_value(None, given, jnp.int32(4), jnp.int32(64)) is given
+    assert float(coefficients.schedule_value(lambda s: 2.0 * s, given, jnp.int32(4), jnp.int32(64))) == 8.0
+    # A schedule with a ``data_seen`` parameter gets the examples seen (kfac-jax 0.0.8).
+    by_data = lambda s, data_seen: s + data_seen / 64.0
+    assert float(coefficients.schedule_value(by_data, given, jnp.int32(4), jnp.int32(64))) == 5.0
 
 
 def test_choose_without_adaptive_damping_reports_no_model_change():
@@ -119,12 +122,16 @@ def test_damping_is_clipped_and_adapted_only_when_due():
 
 
 def test_preconditioner_damping():
+    step, seen = jnp.int32(0), jnp.int32(0)
     cfg = _cfg(use_adaptive_damping=False, precon_damping_mult=2.0)
-    assert float(damping.identity_weight(cfg, jnp.float32(0.5), jnp.int32(0))) == pytest.approx(1e-3 + 1.0)
+    precon = damping.precon_damping(cfg, jnp.float32(0.5), step, seen)
+    assert float(precon) == pytest.approx(1.0)
+    assert float(damping.identity_weight(cfg, precon)) == pytest.approx(1e-3 + 1.0)
     cfg = _cfg(use_adaptive_damping=False, precon_damping_schedule=lambda s: 0.25)
-    assert float(damping.identity_weight(cfg, jnp.float32(0.5), jnp.int32(0))) == pytest.approx(1e-3 + 0.25)
-    assert float(damping.step_damping(cfg, jnp.float32(9.0), jnp.float32(0.5), jnp.int32(0))) == 0.5
-    assert float(damping.step_damping(_cfg(), jnp.float32(9.0), jnp.float32(0.5), jnp.int32(0))) == 9.0
+    precon = damping.precon_damping(cfg, jnp.float32(0.5), step, seen)
+    assert float(damping.identity_weight(cfg, precon)) == pytest.approx(1e-3 + 0.25)
+    assert float(damping.step_damping(cfg, jnp.float32(9.0), jnp.float32(0.5), step, seen)) == 0.5
+    assert float(damping.step_damping(_cfg(), jnp.float32(9.0), jnp.float32(0.5), step, seen)) == 9.0
 
 
 # --- the guard and its counters ---------------------------------------------------------------
