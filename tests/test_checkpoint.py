@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import curvax
 import models
@@ -80,3 +81,32 @@ def test_resuming_from_a_saved_state_continues_exactly(tmp_path):
     # The run changed the damping and the parameters, so the comparison above had something to compare.
     assert len({round(d, 6) for _, d, _ in stats_all}) > 1
     assert stats_all[-1][0] < stats_all[0][0]
+
+
+def test_an_older_state_of_a_dense_layer_over_extra_axes_is_refused_not_misloaded(tmp_path):
+    """Such a layer gets RepeatedDenseKroneckerFactored now (kfac-jax's repeated_dense); a state
+    saved with the plain dense block (as older versions gave it) is refused by a default
+    optimizer and loads into one built with that block."""
+    from curvax import checkpoint
+
+    def loss(p: Any, b: Any) -> jax.Array:
+        y = b[0] @ p["w"]
+        curvax.register_squared_error_loss(y, b[1])
+        return 0.5 * jnp.mean((y - b[1]) ** 2)
+
+    p = {"w": jnp.ones((3, 2))}
+    b = (jnp.ones((4, 5, 3)), jnp.zeros((4, 5, 2)))
+    make = lambda **kw: curvax.Optimizer(jax.value_and_grad(loss), l2_reg=0.0, learning_rate_schedule=lambda n: 0.1,
+                                         damping_schedule=lambda n: 1e-3, momentum_schedule=lambda n: 0.0, **kw)
+    old_ctor = {"repeated_dense": curvax.DenseTwoKroneckerFactored}
+    old, new = make(layer_tag_to_block_ctor=old_ctor), make()
+    s_old = old.init(p, jax.random.PRNGKey(0), b)
+    s_new = new.init(p, jax.random.PRNGKey(0), b)
+    assert type(new.estimator.blocks[0]).__name__ == "RepeatedDenseKroneckerFactored"
+    path = str(tmp_path / "old.npz")
+    checkpoint.save(path, (p, s_old))
+    with pytest.raises(checkpoint.CheckpointError, match="another model or optimizer configuration"):
+        checkpoint.load(path, (p, s_new))
+    _, restored = checkpoint.load(path, (p, make(layer_tag_to_block_ctor=old_ctor).init(p, jax.random.PRNGKey(1), b)))
+    for a, c in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(s_old)):
+        np.testing.assert_array_equal(a, c)
