@@ -632,18 +632,23 @@ def _fallback_reason(program: Program, live: frozenset[int], key: Key, uses: int
 
 def _repeated_dense(site: LayerSite, inputs: Sequence[jax.ShapeDtypeStruct]) -> bool:
     """Whether a detected dense layer is applied over extra axes (input ``(B, ..., d_in)``, one
-    application, outside ``lax.scan``): kfac-jax 0.0.8's graph matcher makes such a layer its
-    ``"repeated_dense"`` variant, whose block (``RepeatedDenseKroneckerFactored``) leaves the
-    positions with an all-zero output cotangent (padding) out of the statistics. Without padding
-    that block equals the plain dense one."""
+    application; in a stacked ``lax.scan``, each layer's slice): kfac-jax 0.0.8's graph matcher
+    makes such a layer its ``"repeated_dense"`` variant, whose block
+    (``RepeatedDenseKroneckerFactored``) leaves the positions with an all-zero output cotangent
+    (padding) out of the statistics. A stacked scan's slices get the same block as the Python
+    loop's layers, so the two keep exactly the same curvature."""
+    if site.scan is None:
+        rank = len(inputs[0].shape) if len(inputs) == 1 else 0
+    elif site.scan.mode == "stacked":
+        rank = len(inputs[0].shape) - 1 if len(inputs) == 1 else 0  # a slice: without the stack axis
+    else:
+        return False
     return (
         site.tag is tags.dense
-        and site.scan is None
         and not site.extra_uses
         and site.meta.get("kernel_layout") in ("io", "oi")
         and "variant" not in site.meta
-        and len(inputs) == 1
-        and len(inputs[0].shape) > 2
+        and rank > 2
     )
 
 

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--walkers", type=int, default=512)
     parser.add_argument("--moves", type=int, default=10, help="Metropolis moves between optimizer steps")
     parser.add_argument("--lr", type=float, default=0.3, help="K-FAC learning rate")
-    parser.add_argument("--damping", type=float, default=1e-3, help="K-FAC damping")
+    parser.add_argument("--damping", type=float, default=1e-2, help="K-FAC damping")
     parser.add_argument("--adam-lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--devices", type=int, default=1,
