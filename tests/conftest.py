@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
-import jax
-import pytest
+from xla_env import with_test_flags
+
+os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))  # before JAX starts: see xla_env.py
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 @pytest.fixture

@@ -20,12 +20,12 @@ The device count is fixed when JAX starts, hence the subprocess.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
+import xla_env
+
 if __name__ == "__main__":  # before JAX starts
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(sys.argv[1])}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    xla_env.request_devices(int(sys.argv[1]))
 
 from typing import Any, Callable  # noqa: E402
 

@@ -9,11 +9,11 @@ subprocess (and the environment variable set before ``import jax``).
 from __future__ import annotations
 
 import json
-import os
+
+import xla_env
 
 if __name__ == "__main__":  # before JAX starts; not when the test imports the configurations
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    xla_env.request_devices(4)
 
 from typing import Any  # noqa: E402
 

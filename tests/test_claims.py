@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from xla_env import child_env
 
 import curvax
 import models
@@ -35,8 +35,8 @@ import models
 
 _NAN_CHILD = r'''
 import os, json
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-os.environ["JAX_PLATFORMS"] = "cpu"
+import xla_env
+xla_env.request_devices(2)
 import jax
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp, numpy as np
@@ -138,9 +138,8 @@ print(json.dumps(out))
 
 
 def test_one_nan_example_on_one_device_skips_the_step_on_every_device():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-c", _NAN_CHILD], cwd=Path(__file__).parent,
-                          env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=900)
+                          env=child_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     for mode, n in (("pmap", 2), ("sharding", 1)):

@@ -18,7 +18,6 @@ above (every block kind, ownership, per-branch decompositions) are marked slow (
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from xla_env import child_env
 
 import distributed_child as child
 from curvax import distributed
@@ -42,10 +42,9 @@ TOLERANCE = 1e-10
 @pytest.fixture(scope="module")
 def runs() -> dict[int, dict[str, Any]]:
     """The child's JSON on 4 and on 2 devices, one after the other."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = {}
     for n in (4, 2):
-        proc = subprocess.run([sys.executable, "distributed_child.py", str(n)], cwd=HERE, env={**env, "JAX_PLATFORMS": "cpu"},
+        proc = subprocess.run([sys.executable, "distributed_child.py", str(n)], cwd=HERE, env=child_env(),
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[n] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -164,9 +163,8 @@ def test_one_device_is_the_plain_computation(x64):
 @pytest.fixture(scope="module")
 def optimizer_runs() -> dict[str, Any]:
     """``distributed_optimizers_child.py`` on 4 devices."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "distributed_optimizers_child.py", "4"], cwd=HERE,
-                          env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=900)
+                          env=child_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

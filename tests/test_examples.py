@@ -8,12 +8,12 @@ line is ``RESULT key=value ...``, which the tests read. Every example runs in th
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from xla_env import child_env
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -21,7 +21,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def run_example(name: str, *flags: str) -> dict[str, str]:
     """Runs ``examples/<name> --quick``; checks exit code 0 and returns its RESULT line's fields."""
     pytest.importorskip("flax")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / name), "--quick", *flags], capture_output=True, text=True, timeout=600,
         cwd=EXAMPLES.parent, env=env,

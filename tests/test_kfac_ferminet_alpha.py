@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from xla_env import child_env
 
 import curvax
 from curvax import kfac_ferminet_alpha as kfa
@@ -395,8 +395,7 @@ _MULTI_DEVICE_CHILD = textwrap.dedent(
 @pytest.mark.slow
 def test_multi_device_matches_one_device():
     """multi_device=True (pmap, four CPU devices, batch split over them) makes the one-device steps."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = child_env(4)
     here = Path(__file__).parent
     proc = subprocess.run([sys.executable, "-c", _MULTI_DEVICE_CHILD], cwd=here, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -17,6 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
+from xla_env import child_env
 
 from curvax.kfac_api import switch
 
@@ -28,8 +29,8 @@ KFAC_JAX_008_MODULES = ("curvature_blocks", "curvature_estimator", "layers_and_l
 
 
 def run(args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", switch.ENV_VAR)}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(FIXTURE)]), JAX_PLATFORMS="cpu", **(extra_env or {}))
+    env = {k: v for k, v in child_env().items() if k != switch.ENV_VAR}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(FIXTURE)]), **(extra_env or {}))
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=FIXTURE, timeout=300)
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from xla_env import child_env
 
 import curvax
 from curvax import estimators
@@ -271,7 +272,8 @@ def test_an_empty_batch_is_refused_naming_the_batch():
 
 _CHILD = r'''
 import os, json
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import xla_env
+xla_env.request_devices(4)
 import jax, jax.numpy as jnp, numpy as np
 import curvax, models
 
@@ -317,14 +319,12 @@ print(json.dumps(out))
 @pytest.mark.slow  # a subprocess with four CPU devices compiling pmapped steps
 def test_a_nan_example_on_one_device_is_skipped_on_every_device():
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-c", _CHILD], cwd=Path(__file__).parent,
-                          env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=900)
+                          env=child_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["skipped"] == [True] * 4 and r["curvature_skipped"] == [True] * 4

@@ -12,7 +12,6 @@ batch. The device count is fixed when JAX starts, so the runs happen in a subpro
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from xla_env import child_env
 
 import curvax
 import models
@@ -33,8 +33,7 @@ HERE = Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "pmap_child.py"], cwd=HERE, env={**env, "JAX_PLATFORMS": "cpu"},
+    proc = subprocess.run([sys.executable, "pmap_child.py"], cwd=HERE, env=child_env(),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

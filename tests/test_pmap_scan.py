@@ -16,14 +16,15 @@ closes over the per-device walkers. The run on pmap outputs must equal the run o
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import xla_env
+
 if __name__ == "__main__":  # the four-device run: before JAX starts
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    xla_env.request_devices(4)
 
 import jax
 import jax.numpy as jnp
@@ -148,9 +149,8 @@ def test_inputs_from_a_pmap_with_a_fori_loop_laplacian_one_device():
 
 @pytest.mark.slow
 def test_inputs_from_a_pmap_with_a_fori_loop_laplacian_four_devices():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, Path(__file__).name], cwd=Path(__file__).parent,
-                          env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+                          env=xla_env.child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["plain"]["devices"] == 4

@@ -13,7 +13,6 @@ result. The device count is fixed when JAX starts, so the runs happen in subproc
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from xla_env import child_env
 
 import sharding_child as child
 
@@ -32,8 +32,7 @@ HERE = Path(__file__).parent
 
 
 def _env(devices: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return child_env(devices)
 
 
 def _last_json(stdout: str) -> dict:

@@ -15,7 +15,6 @@ In process: the configuration checks and the exchange's placement on a small mes
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from xla_env import child_env
 from jax.sharding import Mesh
 
 from curvax import distributed
@@ -36,8 +36,7 @@ TOLERANCE = 1e-10
 
 @pytest.fixture(scope="module")
 def run() -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "split_state_child.py", "4"], cwd=HERE, env={**env, "JAX_PLATFORMS": "cpu"},
+    proc = subprocess.run([sys.executable, "split_state_child.py", "4"], cwd=HERE, env=child_env(),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
