@@ -657,6 +657,18 @@ class CurvatureBlock(abc.ABC):
         """The ``dim x dim`` matrix ``C`` in parameter order (each parameter flattened, C order)."""
         return _mul(self._to_dense_unscaled(state), self.scale(state, False))
 
+    def norm(self, state: "CurvatureBlock.State", norm_type: str) -> Array:
+        """The block's norm ``norm_type`` (a name of ``curvax.linalg.NORM_TYPES``), scale included.
+
+        kfac-jax v0.0.8's definition, from the current statistics: the product of the norms
+        of the block's factors (a Kronecker block's ``A`` and ``G``, each parameter's diagonal
+        of a diagonal block, the matrix of a full block, ``ones(dim)`` for the scaled
+        identity) times ``scale``. The optimizer's ``norm_to_scale_identity_weight_per_block``
+        multiplies the block's damping by it.
+        """
+        kind = linalg.norm_type_name(norm_type, "norm_type")
+        return _mul(jnp.asarray(self._norm_unscaled(state, kind)), self.scale(state, False))
+
     def sync(self, state: "CurvatureBlock.State", pmap_axis_name: str | None) -> "CurvatureBlock.State":
         """Averages the moving-average values (not the cache) across devices."""
         state = _copy_state(state)
@@ -720,6 +732,16 @@ class CurvatureBlock(abc.ABC):
     def _to_dense_unscaled(self, state: Any) -> Array:
         """``C_unscaled`` as a dense matrix in parameter order."""
 
+    def _norm_unscaled(self, state: Any, norm_type: str) -> Array:
+        """Default: the norm of the dense unscaled matrix (blocks of at most
+        ``DENSE_INVERSE_DIAGONAL_LIMIT`` parameters); factored blocks override it."""
+        if self.dim > DENSE_INVERSE_DIAGONAL_LIMIT:
+            raise NotImplementedError(
+                f"{self._name} ({type(self).__name__}): the {norm_type!r} norm needs this block's dense "
+                f"{self.dim}x{self.dim} matrix, above the limit of {DENSE_INVERSE_DIAGONAL_LIMIT} parameters."
+            )
+        return linalg.psd_matrix_norm(self._to_dense_unscaled(state), norm_type)
+
 
 # ----------------------------------------------------------------------------------
 # Scaled identity
@@ -766,6 +788,10 @@ class ScaledIdentity(CurvatureBlock):
     def _to_dense_unscaled(self, state):
         del state
         return jnp.eye(self.dim, dtype=self.dtype)
+
+    def _norm_unscaled(self, state, norm_type):
+        del state
+        return linalg.psd_matrix_norm(jnp.ones([self.dim], self.dtype), norm_type)
 
 
 # ----------------------------------------------------------------------------------
@@ -846,6 +872,10 @@ class Diagonal(CurvatureBlock, abc.ABC):
 
     def _to_dense_unscaled(self, state):
         return jnp.diag(self._eigenvalues_unscaled(state, False))
+
+    def _norm_unscaled(self, state, norm_type):
+        # kfac-jax's definition: the product over the parameters of their diagonal's norm.
+        return math.prod(linalg.psd_matrix_norm(jnp.ravel(d), norm_type) for d in self._diagonals(state, False))
 
 
 class NaiveDiagonal(Diagonal):
@@ -1181,6 +1211,9 @@ class Full(CurvatureBlock, abc.ABC):
     def _to_dense_unscaled(self, state):
         return linalg.symmetrize(state.matrix.value)
 
+    def _norm_unscaled(self, state, norm_type):
+        return linalg.psd_matrix_norm(linalg.symmetrize(state.matrix.value), norm_type)
+
 
 class NaiveFull(Full):
     """``M <- g g^T / B`` with ``g`` the flattened batch-summed (sampled-loss) gradient."""
@@ -1270,6 +1303,12 @@ class _FactorPairBlock(CurvatureBlock, abc.ABC):
         else:
             sa, sg = self._factor_eigenvalues(*self._factors(state))
         return jnp.outer(sa, sg).ravel()
+
+    def _norm_unscaled(self, state, norm_type):
+        # kfac-jax's definition: the product of the factors' norms (the Kronecker product's
+        # norm for every name but the two medians).
+        a, g = self._factors(state)
+        return linalg.psd_matrix_norm(a, norm_type) * linalg.psd_matrix_norm(g, norm_type)
 
     def _cache_and_scaled_factors(self, state: Any, approx_powers: Sequence[Numeric]) -> tuple[dict, Array, Array]:
         """Where ``_update_cache`` starts: a copy of the cache, and ``A`` and ``G`` each times
@@ -1712,6 +1751,17 @@ class EigenvalueCorrectedKroneckerFactored(TwoKroneckerFactored, abc.ABC):
         qa, qg = self._basis(state)
         q = jnp.kron(qa, qg)
         return self._vec_v_to_parameter_order((q * jnp.ravel(state.eigenvalue_correction.value)) @ q.T)
+
+    def _norm_unscaled(self, state, norm_type):
+        # No kfac-jax counterpart: the norm of C = Q diag(s) Q^T itself. Its eigenvalues are s,
+        # its diagonal (Q_A^2) s (Q_G^2)^T; only the 1-norm needs the dense matrix.
+        s = state.eigenvalue_correction.value
+        if norm_type == "1_norm":
+            return CurvatureBlock._norm_unscaled(self, state, norm_type)
+        if norm_type == "median_diag":
+            qa, qg = self._basis(state)
+            return jnp.median((qa**2) @ s @ (qg**2).T)
+        return linalg.psd_matrix_norm(jnp.ravel(s), norm_type)
 
 
 class DenseEigenvalueCorrected(EigenvalueCorrectedKroneckerFactored, DenseTwoKroneckerFactored):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from curvax import blocks as blocks_lib
-from curvax import _generations, distributed, partitioned, tags, utils
+from curvax import _generations, distributed, linalg, partitioned, tags, utils
 from curvax.stacked import StackedBlock, slice_tag_eqn
 from curvax.transforms import ProcessedJaxpr, _Cache, assemble_layer_data, zero_tangents
 
@@ -167,16 +167,32 @@ def _lookup_tag(table: Mapping[str, Any], tag_name: str) -> Any:
     return None
 
 
-def _check_no_block_norm(kwargs: Mapping[str, Any]) -> None:
-    """Accepts kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block=None`` and nothing else."""
+BLOCK_NORM_ARG = "norm_to_scale_identity_weight_per_block"
+
+
+def block_norm_name(norm: Any) -> str | None:
+    """kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block``: None for None or ``"none"``
+    (the damping as given), else the norm's name (``curvax.linalg.NORM_TYPES``); a
+    ``ValueError`` naming the argument for an unknown name."""
+    if norm is None or norm == "none":
+        return None
+    return linalg.norm_type_name(norm, BLOCK_NORM_ARG)
+
+
+def _block_norm_kwarg(kwargs: Mapping[str, Any]) -> str | None:
+    """The checked ``norm_to_scale_identity_weight_per_block`` of a call's ``kwargs`` (the only
+    keyword accepted there)."""
     extra = dict(kwargs)
-    norm = extra.pop("norm_to_scale_identity_weight_per_block", None)
+    norm = extra.pop(BLOCK_NORM_ARG, None)
     if extra:
         raise TypeError(f"unexpected keyword arguments {sorted(extra)}.")
-    if norm is not None:
-        raise NotImplementedError(
-            f"norm_to_scale_identity_weight_per_block={norm!r} (kfac-jax v0.0.8) is not supported; pass None."
-        )
+    return block_norm_name(norm)
+
+
+def _normed_weight(block: Any, state: Any, identity_weight: Any, norm: str | None) -> Any:
+    """The damping a block gets: ``identity_weight``, times the block's norm (``block.norm``,
+    from its current statistics) when ``norm`` names one (kfac-jax v0.0.8's per-block scaling)."""
+    return identity_weight if norm is None else identity_weight * block.norm(state, norm)
 
 
 def _canonical_dense(block: Any, state: Any) -> jax.Array:
@@ -359,10 +375,9 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
         """``(C + identity_weight I) v``: ``multiply_matpower`` with ``power=1``.
 
         ``state``, ``parameter_structured_vector``, ``identity_weight``, ``exact_power``,
-        ``use_cached``, ``pmap_axis_name`` and ``distribution`` (passed on only when given) are
-        those of ``multiply_matpower``; ``kwargs`` accepts kfac-jax v0.0.8's
-        ``norm_to_scale_identity_weight_per_block=None`` only (any other value raises
-        ``NotImplementedError``).
+        ``use_cached``, ``pmap_axis_name``, ``distribution`` (passed on only when given) and
+        ``kwargs`` (kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block``) are those of
+        ``multiply_matpower``.
         """
         return self._multiply_power(1, state, parameter_structured_vector, identity_weight, exact_power, use_cached,
                                     pmap_axis_name, distribution, kwargs)
@@ -379,10 +394,12 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
 
     def _multiply_power(self, power, state, vector, identity_weight, exact_power, use_cached, pmap_axis_name,
                         distribution, kwargs) -> Any:
-        """``multiply_matpower`` for ``multiply``/``multiply_inverse``: refuses kfac-jax v0.0.8's
-        per-block norm and passes ``distribution`` on only when given."""
-        _check_no_block_norm(kwargs)
-        extra = {} if distribution is None else {"distribution": distribution}
+        """``multiply_matpower`` for ``multiply``/``multiply_inverse``: passes ``distribution`` and
+        kfac-jax v0.0.8's per-block norm on only when given."""
+        norm = _block_norm_kwarg(kwargs)
+        extra: dict[str, Any] = {} if distribution is None else {"distribution": distribution}
+        if norm is not None:
+            extra[BLOCK_NORM_ARG] = norm
         return self.multiply_matpower(state, vector, identity_weight, power, exact_power, use_cached, pmap_axis_name, **extra)
 
     @abc.abstractmethod
@@ -811,13 +828,16 @@ class BlockDiagonalCurvature(CurvatureEstimator):
           distribution: a ``curvax.distributed.Distribution`` with ``inverses`` on: each device
             refreshes ~1/N of the blocks (by ``block_refresh_costs``) and shares them; same
             result. None (default): every device refreshes every block.
-          kwargs: kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block`` is accepted
-            only as None; another value raises ``NotImplementedError``, another keyword
-            ``TypeError``.
+          kwargs: kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block``: None (default)
+            or ``"none"``, or a norm name (``curvax.linalg.NORM_TYPES``): each block's
+            ``identity_weight`` is multiplied by ``block.norm(state, name)`` before it is baked
+            into the cache. Another keyword raises ``TypeError``.
         """
-        _check_no_block_norm(kwargs)
+        norm = _block_norm_kwarg(kwargs)
         self._require_finalized()
-        refresh = lambda b: lambda sw: b.update_cache(sw[0], sw[1], exact_powers, approx_powers, eigenvalues)
+        refresh = lambda b: lambda sw: b.update_cache(
+            sw[0], _normed_weight(b, sw[0], sw[1], norm), exact_powers, approx_powers, eigenvalues
+        )
         on = distribution is not None and distribution.inverses and self.distributed_cache_updates
         return BlockDiagonalState(tuple(distributed.map_blocks(
             [refresh(b) for b in self._blocks], list(zip(state.blocks_states, self._per_block(identity_weight, "identity_weight"))),  # type: ignore[union-attr]
@@ -858,7 +878,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
     def update_cache_staggered(
         self, state: BlockDiagonalState, step: Any, period: int, identity_weight: Any, exact_powers: Any,
-        approx_powers: Any, eigenvalues: bool,
+        approx_powers: Any, eigenvalues: bool, **kwargs: Any,
     ) -> BlockDiagonalState:
         """``update_cache`` for the blocks due at ``step`` only (ours; see ``refresh_phases``).
 
@@ -876,7 +896,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
           exact_powers: the exact powers to recompute, as for ``update_cache``.
           approx_powers: the approximate powers to recompute, as for ``update_cache``.
           eigenvalues: whether to recompute cached eigenvalues, as for ``update_cache``.
+          kwargs: ``norm_to_scale_identity_weight_per_block``, as for ``update_cache``.
         """
+        norm = _block_norm_kwarg(kwargs)
         self._require_finalized()
         period = utils.check_int(period, "period", 1)
         phases = self.refresh_phases(period)
@@ -885,7 +907,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         out = []
         for b, s, w, phase in zip(self._blocks, state.blocks_states, weights, phases):  # type: ignore[arg-type]
             due = jnp.logical_or(step == 0, step % period == phase)
-            refresh = lambda s, b=b, w=w: b.update_cache(s, w, exact_powers, approx_powers, eigenvalues)
+            refresh = lambda s, b=b, w=w: b.update_cache(s, _normed_weight(b, s, w, norm), exact_powers, approx_powers, eigenvalues)
             out.append(jax.lax.cond(due, refresh, lambda s: s, s))
         return BlockDiagonalState(tuple(out))
 
@@ -911,17 +933,21 @@ class BlockDiagonalCurvature(CurvatureEstimator):
           distribution: a ``curvax.distributed.Distribution`` with ``precon_apply`` on: each
             device multiplies ~1/N of the blocks and shares the products; same result. None
             (default): every device multiplies every block.
-          kwargs: kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block`` is accepted
-            only as None; another value raises ``NotImplementedError``.
+          kwargs: kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block``: None (default)
+            or ``"none"``, or a norm name (``curvax.linalg.NORM_TYPES``): each block's
+            ``identity_weight`` is multiplied by ``block.norm(state, name)`` (its current
+            statistics' norm, scale included). Another keyword raises ``TypeError``.
 
         Returns:
           A pytree shaped like the parameters.
         """
-        _check_no_block_norm(kwargs)
+        norm = _block_norm_kwarg(kwargs)
         self._require_finalized()
         self._check_state(state)
         operands = zip(state.blocks_states, self.params_vector_to_blocks_vectors(parameter_structured_vector), self._per_block(identity_weight, "identity_weight"))
-        product = lambda b: lambda svw: b.multiply_matpower(svw[0], svw[1], svw[2], power, exact_power, use_cached)
+        product = lambda b: lambda svw: b.multiply_matpower(
+            svw[0], svw[1], _normed_weight(b, svw[0], svw[2], norm), power, exact_power, use_cached
+        )
         on = distribution is not None and distribution.precon_apply and self.distributed_multiplies
         out = distributed.map_blocks([product(b) for b in self._blocks], list(operands), [_apply_cost(b) for b in self._blocks], distribution, on,  # type: ignore[union-attr]
                                      split=[(True, True, False)] * len(self._blocks), split_outputs=True)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ program needs no global x64 flag), else an SVD (eigh) or a diagonal solve
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -298,3 +298,65 @@ def kronecker_eigen_basis_mul(qa: Array, qg: Array, s: Array, v: Array, identity
     """
     inner = qa.T @ v @ qg
     return qa @ (inner * _pow(s + identity_weight, power)) @ qg.T
+
+
+# ----------------------------------------------------------------------------------
+# Norms of PSD matrices (kfac-jax v0.0.8's ``psd_matrix_norm`` names)
+# ----------------------------------------------------------------------------------
+
+# The norm names kfac-jax v0.0.8 accepts (not all are norms: "one_over_dim" is ``1 / dim``).
+NORM_TYPES: tuple[str, ...] = (
+    "avg_diag", "trace", "median_diag", "median_eig", "one_over_dim", "1_norm", "2_norm", "avg_fro", "fro",
+)
+# Earlier curvax spellings, kept working.
+_NORM_ALIASES = {"1norm": "1_norm", "2norm": "2_norm"}
+
+
+def norm_type_name(norm_type: Any, arg_name: str = "norm_type") -> str:
+    """``norm_type`` as one of ``NORM_TYPES`` (``"1norm"``/``"2norm"`` map to ``"1_norm"``/``"2_norm"``);
+    a ``ValueError`` naming ``arg_name`` for anything else."""
+    name = _NORM_ALIASES.get(norm_type, norm_type) if isinstance(norm_type, str) else None
+    if name not in NORM_TYPES:
+        raise ValueError(f"`{arg_name}` must be one of {', '.join(NORM_TYPES)}; got {norm_type!r}.")
+    return name
+
+
+def block_diagonal_psd_norm(blocks: Sequence[Array], norm_type: str) -> Array:
+    """A norm of the PSD matrix ``blockdiag(...)`` of every square block in ``blocks``.
+
+    ``blocks``: arrays of shape ``(count, b, b)`` (``count`` blocks of side ``b`` each), so a
+    block-diagonal factor is normed without forming it. ``norm_type`` (``NORM_TYPES``):
+    ``"avg_diag"`` (trace / dim), ``"trace"``, ``"median_diag"`` (median of the diagonal),
+    ``"median_eig"`` (median eigenvalue), ``"one_over_dim"``, ``"1_norm"`` (largest absolute
+    column sum), ``"2_norm"`` (largest eigenvalue), ``"avg_fro"`` (Frobenius / sqrt(dim)) or
+    ``"fro"``. Eigenvalues are exact (``safe_eigvalsh``), not iterative estimates.
+    """
+    kind = norm_type_name(norm_type)
+    blocks = [jnp.asarray(m) for m in blocks]
+    dim = sum(m.shape[0] * m.shape[-1] for m in blocks)
+    dtype = jnp.result_type(*blocks)
+    if kind == "one_over_dim":
+        return jnp.asarray(1.0 / dim, dtype)
+    if kind in ("avg_diag", "trace", "median_diag"):
+        diag = jnp.concatenate([jnp.diagonal(m, axis1=-2, axis2=-1).reshape(-1) for m in blocks])
+        return {"avg_diag": jnp.sum(diag) / dim, "trace": jnp.sum(diag), "median_diag": jnp.median(diag)}[kind]
+    if kind in ("fro", "avg_fro"):
+        fro = jnp.sqrt(sum(jnp.sum(jnp.square(m)) for m in blocks))
+        return fro if kind == "fro" else fro / jnp.sqrt(jnp.asarray(dim, dtype))
+    if kind == "1_norm":
+        return jnp.max(jnp.stack([jnp.max(jnp.sum(jnp.abs(m), axis=-2)) for m in blocks]))
+    eigs = jnp.concatenate([
+        m[:, 0, 0] if m.shape[-1] == 1 else map_decompositions(safe_eigvalsh, m).reshape(-1) for m in blocks
+    ])
+    return jnp.max(eigs) if kind == "2_norm" else jnp.median(eigs)
+
+
+def psd_matrix_norm(matrix: Array, norm_type: str = "avg_diag") -> Array:
+    """A norm of a PSD matrix given as a square matrix, a vector (the diagonal of a diagonal
+    matrix) or a scalar (a 1 x 1 matrix); ``norm_type`` as for ``block_diagonal_psd_norm``."""
+    m = jnp.asarray(matrix)
+    if m.ndim == 2 and m.shape[0] == m.shape[1]:
+        return block_diagonal_psd_norm([m[None]], norm_type)
+    if m.ndim in (0, 1):
+        return block_diagonal_psd_norm([m.reshape(-1, 1, 1)], norm_type)
+    raise ValueError(f"`matrix` must be a square matrix, a vector (a diagonal) or a scalar; got shape {m.shape}.")

@@ -96,7 +96,7 @@ class Optimizer:
       ``damping_adaptation_interval``, ``damping_adaptation_decay``,
       ``damping_lower_threshold``, ``damping_upper_threshold``,
       ``always_use_exact_qmodel_for_damping_adjustment``, ``precon_damping_mult``,
-      ``precon_damping_schedule``.
+      ``precon_damping_schedule``, ``norm_to_scale_identity_weight_per_block``.
     - The curvature estimate: ``estimation_mode``, ``curvature_ema``,
       ``curvature_update_period``, ``curvature_batch_fraction``, ``num_burnin_steps``,
       ``inverse_update_period``, ``inverse_update_staggered``, ``use_exact_inverses``,
@@ -112,8 +112,13 @@ class Optimizer:
       ``regularized_parameters_path_exclusions``, ``use_initial_damping_calibration``,
       ``use_step_rejection``, ``reject_damping_increase_factor``, ``custom_estimator_ctor``,
       ``include_registered_loss_in_stats``, ``num_estimator_samples``,
-      ``should_vmap_estimator_samples``, ``norm_to_scale_identity_weight_per_block``,
-      ``precon_power``, ``exact_quad_model_matrix_type``.
+      ``should_vmap_estimator_samples``, ``precon_power``, ``exact_quad_model_matrix_type``.
+
+    ``norm_to_scale_identity_weight_per_block`` (kfac-jax 0.0.8): None or ``"none"`` leaves the
+    damping as it is; a norm name of ``curvax.linalg.NORM_TYPES`` (e.g. ``"avg_diag"``)
+    multiplies each block's damping (``l2_reg`` included) by that block's norm,
+    ``block.norm(state, name)``, in the preconditioned gradient and the cached inverses. It is
+    refused (``ValueError``) with adaptive learning rate, momentum or damping, as in kfac-jax.
 
     ``step`` returns a dict of scalar ``stats`` (``loss``, ``learning_rate``, ``momentum``,
     ``damping``, ``update_skipped`` ...; nan where not computed on a step), listed in the

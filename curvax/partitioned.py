@@ -593,6 +593,11 @@ class DensePartitionedKroneckerFactored(blocks._DenseKroneckerMixin, blocks.Curv
         a, g = self._factors(state)
         return self._vec_v_to_parameter_order(jnp.kron(_to_dense(a), _to_dense(g)))
 
+    def _norm_unscaled(self, state, norm_type):
+        # The product of the block-diagonal factors' norms, as for the whole-factor block.
+        a, g = self._factors(state)
+        return linalg.block_diagonal_psd_norm(a, norm_type) * linalg.block_diagonal_psd_norm(g, norm_type)
+
     def _vec_v_to_parameter_order(self, dense_v: Array) -> Array:
         """A matrix acting on ``vec(V)`` (row-major) reordered to act on the flat parameters."""
         offsets = np.cumsum([0] + list(self.parameters_sizes))

@@ -241,8 +241,8 @@ class OptaxPreconditioner:
     (inverse) curvature held in a ``precond_state`` passed as an extra argument. For a
     self-contained Optax transformation use ``kfac_preconditioner``.
 
-    The arguments are kfac-jax's; ``curvature_update_period`` must be 1 (as in kfac-jax),
-    ``num_samples`` 1 and ``norm_to_scale_identity_weight_per_block`` None (not supported).
+    The arguments are kfac-jax's; ``curvature_update_period`` must be 1 (as in kfac-jax) and
+    ``num_samples`` 1.
 
     Args:
       value_func: the model's value function, ``value_func(params, ..., batch)``, which
@@ -280,8 +280,11 @@ class OptaxPreconditioner:
       distributed_precon_apply: likewise for the products of ``apply``. Default True.
       num_samples: kfac-jax compatibility: only 1 (``NotImplementedError`` otherwise).
       should_vmap_samples: kfac-jax compatibility, accepted and unused.
-      norm_to_scale_identity_weight_per_block: kfac-jax compatibility: only None
-        (``NotImplementedError`` otherwise).
+      norm_to_scale_identity_weight_per_block: None or ``"none"`` (default: the damping as
+        given), or a norm name (``curvax.linalg.NORM_TYPES``, e.g. ``"avg_diag"``): each
+        block's damping is multiplied by ``block.norm(state, name)``, its current statistics'
+        norm (scale included), in ``apply``, ``multiply_curvature`` and the cache refresh, as
+        in kfac-jax 0.0.8. An unknown name raises ``ValueError``.
       curvature_dtype: ours, keyword only: the dtype of the curvature statistics, float32 or
         float64. Default None: the parameters' dtype promoted to at least float32.
       inverse_dtype: ours, keyword only: the dtype of the cached decompositions and inverses,
@@ -334,6 +337,7 @@ class OptaxPreconditioner:
         self._use_cached_inverses = self._inverse_update_period != 1
         self._use_exact_inverses = bool(use_exact_inverses)
         self._use_sqrt_inv = bool(use_sqrt_inv)
+        self._block_norm = estimators.block_norm_name(norm_to_scale_identity_weight_per_block)
         kwargs = dict(auto_register_kwargs or {})
         if register_only_generic:
             kwargs["register_only_generic"] = True
@@ -459,7 +463,7 @@ class OptaxPreconditioner:
         est_state = refresh.refresh_when(
             self._estimator, state.estimator_state, self.should_update_inverse_cache(state),
             self.get_identity_weight(state), self._exact_powers_to_cache, self._approx_powers_to_cache,
-            self._distribution,
+            self._distribution, self._block_norm,
         )
         return state._replace(estimator_state=est_state)
 
@@ -484,7 +488,7 @@ class OptaxPreconditioner:
         new = precondition.precondition(
             self._estimator, state.estimator_state, updates, self.get_identity_weight(state), self._use_exact_inverses,
             self._use_cached_inverses, -0.5 if self._use_sqrt_inv else -1, self._pmap_axis_name,
-            distribution=self._distribution,
+            distribution=self._distribution, block_norm=self._block_norm,
         )
         if self._norm_constraint is not None:
             new, _ = precondition.constrain_norm(new, updates, self._norm_constraint, floor=None)
@@ -494,7 +498,7 @@ class OptaxPreconditioner:
         """``(C + (damping + l2_reg) I) updates`` for a parameter-shaped ``updates``, ``C`` from ``state``."""
         return precondition.curvature_product(
             self._estimator, state.estimator_state, updates, self.get_identity_weight(state), self._use_exact_inverses,
-            self._use_cached_inverses, self._pmap_axis_name,
+            self._use_cached_inverses, self._pmap_axis_name, self._block_norm,
         )
 
     def as_gradient_transform(self, use_inverse: bool = True) -> optax.GradientTransformationExtraArgs:

@@ -77,23 +77,47 @@ class StackedBlock(CurvatureBlock):
         update = lambda s, d: self.inner.update_curvature_matrix_estimate(s, d, ema_old, ema_new, batch_size, pmap_axis_name)
         return jax.vmap(update)(state, {k: tuple(v) for k, v in estimation_data.items()})
 
+    # ``identity_weight`` is one number for every slice, or one per slice (shape ``(length,)``:
+    # each slice's own damping, as ``norm`` scales it per slice).
+
+    def _slice_weights(self, identity_weight: Any) -> Any:
+        w = jnp.asarray(identity_weight)
+        if w.shape != (self.length,):
+            raise ValueError(
+                f"{self.name}: `identity_weight` must be a scalar or one per slice, shape ({self.length},); "
+                f"got shape {w.shape}."
+            )
+        return w
+
     def multiply_matpower(self, state: Any, vector: Sequence[Any], identity_weight: Numeric, power: Numeric, exact_power: bool, use_cached: bool) -> tuple:
         vec = self._check_vector(vector)
-        mul = lambda s, v: self.inner.multiply_matpower(s, v, identity_weight, power, exact_power, use_cached)
-        return tuple(jax.vmap(mul)(state, vec))
+        if np.ndim(identity_weight) == 0:
+            mul = lambda s, v: self.inner.multiply_matpower(s, v, identity_weight, power, exact_power, use_cached)
+            return tuple(jax.vmap(mul)(state, vec))
+        mul_w = lambda s, v, w: self.inner.multiply_matpower(s, v, w, power, exact_power, use_cached)
+        return tuple(jax.vmap(mul_w)(state, vec, self._slice_weights(identity_weight)))
 
     # Those that decompose the slices' factors map over the slices one at a time on CPU, where
     # batched LAPACK calls can deadlock each other (``linalg.map_decompositions``).
 
     def inverse_diagonal(self, state: Any, identity_weight: Numeric) -> tuple:
-        return tuple(linalg.map_decompositions(lambda s: self.inner.inverse_diagonal(s, identity_weight), state))
+        if np.ndim(identity_weight) == 0:
+            return tuple(linalg.map_decompositions(lambda s: self.inner.inverse_diagonal(s, identity_weight), state))
+        return tuple(linalg.map_decompositions(self.inner.inverse_diagonal, state, self._slice_weights(identity_weight)))
 
     def eigenvalues(self, state: Any, use_cached: bool) -> Any:
         return jnp.ravel(linalg.map_decompositions(lambda s: self.inner.eigenvalues(s, use_cached), state))
 
+    def norm(self, state: Any, norm_type: str) -> Any:
+        """Each slice's norm (shape ``(length,)``): every slice is its own block."""
+        return linalg.map_decompositions(lambda s: self.inner.norm(s, norm_type), state)
+
     def update_cache(self, state: Any, identity_weight: Numeric, exact_powers: ScalarOrSequence, approx_powers: ScalarOrSequence, eigenvalues: bool) -> Any:
-        update = lambda s: self.inner.update_cache(s, identity_weight, exact_powers, approx_powers, eigenvalues)
-        return linalg.map_decompositions(update, state)
+        if np.ndim(identity_weight) == 0:
+            update = lambda s: self.inner.update_cache(s, identity_weight, exact_powers, approx_powers, eigenvalues)
+            return linalg.map_decompositions(update, state)
+        update_w = lambda s, w: self.inner.update_cache(s, w, exact_powers, approx_powers, eigenvalues)
+        return linalg.map_decompositions(update_w, state, self._slice_weights(identity_weight))
 
     def to_dense_matrix(self, state: Any) -> Any:
         per_slice = jax.vmap(self.inner.to_dense_matrix)(state)  # (L, n, n) in per-slice parameter order

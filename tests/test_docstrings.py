@@ -98,7 +98,7 @@ def test_kfac_jax_008_arguments_curvax_does_not_implement_say_so():
     for name in ("regularized_parameters_path_exclusions", "use_initial_damping_calibration",
                  "use_step_rejection", "reject_damping_increase_factor", "custom_estimator_ctor",
                  "include_registered_loss_in_stats", "num_estimator_samples",
-                 "should_vmap_estimator_samples", "norm_to_scale_identity_weight_per_block",
+                 "should_vmap_estimator_samples",
                  "precon_power", "exact_quad_model_matrix_type"):
         assert "not implemented" in entries[name], name
         default = inspect.signature(curvax.Optimizer.__init__).parameters[name].default

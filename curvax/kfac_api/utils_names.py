@@ -541,25 +541,21 @@ def safe_psd_eigh(x: jax.Array, force_on_host: bool = False) -> tuple[jax.Array,
 
 
 def psd_matrix_norm(matrix: jax.Array, norm_type: str = "avg_diag", method_2norm: str = "lobpcg", rng_key: Any = None) -> jax.Array:
-    """A norm of a PSD matrix: ``"avg_diag"`` (trace / dim), ``"avg_fro"`` (Frobenius / sqrt(dim)),
-    ``"fro"``, ``"1norm"`` (max abs column sum) or ``"2norm"`` (largest eigenvalue).
+    """A norm of a PSD matrix given as a square matrix, a vector (read as the diagonal of a
+    diagonal matrix) or a scalar (a 1 x 1 matrix): kfac-jax v0.0.8's names ``"avg_diag"``
+    (trace / dim), ``"trace"``, ``"median_diag"``, ``"median_eig"``, ``"one_over_dim"``,
+    ``"1_norm"`` (largest absolute column sum), ``"2_norm"`` (largest eigenvalue),
+    ``"avg_fro"`` (Frobenius / sqrt(dim)) and ``"fro"``; ``"1norm"`` and ``"2norm"`` are
+    accepted for the two with an underscore (``curvax.linalg.psd_matrix_norm``).
 
-    ``method_2norm`` and ``rng_key`` are accepted for kfac-jax compatibility; the
-    2-norm is computed exactly from the eigenvalues.
+    ``method_2norm`` and ``rng_key`` are accepted for kfac-jax compatibility; the 2-norm is
+    computed exactly from the eigenvalues, not by LOBPCG or power iteration.
     """
     del method_2norm, rng_key
-    _check_square("psd_matrix_norm", matrix)
-    if norm_type == "avg_diag":
-        return linalg.average_trace(matrix)
-    if norm_type == "fro":
-        return jnp.linalg.norm(matrix)
-    if norm_type == "avg_fro":
-        return jnp.linalg.norm(matrix) / jnp.sqrt(matrix.shape[0])
-    if norm_type == "1norm":
-        return jnp.max(jnp.sum(jnp.abs(matrix), axis=0))
-    if norm_type == "2norm":
-        return jnp.max(linalg.safe_eigvalsh(matrix))
-    raise ValueError(f"psd_matrix_norm: unknown norm_type {norm_type!r}; expected avg_diag, avg_fro, fro, 1norm or 2norm.")
+    try:
+        return linalg.psd_matrix_norm(matrix, linalg.norm_type_name(norm_type))
+    except ValueError as e:
+        raise ValueError(f"psd_matrix_norm: {e}") from None
 
 
 def _factor_norm(f: jax.Array) -> jax.Array:

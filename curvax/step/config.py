@@ -30,7 +30,6 @@ UNIMPLEMENTED_V008_ARGS: tuple[tuple[str, Any], ...] = (
     ("include_registered_loss_in_stats", False),
     ("num_estimator_samples", 1),
     ("should_vmap_estimator_samples", False),
-    ("norm_to_scale_identity_weight_per_block", None),
     ("precon_power", -1.0),
     ("exact_quad_model_matrix_type", None),
 )
@@ -71,6 +70,8 @@ class StepConfig:
     use_exact_inverses: bool
     precon_damping_mult: float
     precon_damping_schedule: Callable[[Any], Any] | None
+    # kfac-jax 0.0.8's norm_to_scale_identity_weight_per_block (None: off).
+    block_norm: str | None = None
 
     @property
     def adaptive_coefficients(self) -> bool:
@@ -87,6 +88,13 @@ def _check_exclusive(args: Mapping[str, Any]) -> None:
         raise ValueError("use_adaptive_damping=True needs `initial_damping` (e.g. initial_damping=1.0).")
     if args["norm_constraint"] is not None and args["use_adaptive_learning_rate"]:
         raise ValueError("`norm_constraint` can only be used with a fixed or scheduled learning rate.")
+    norm = estimators.block_norm_name(args["norm_to_scale_identity_weight_per_block"])
+    adaptive = [f"use_adaptive_{n}" for n in ("learning_rate", "momentum", "damping") if args[f"use_adaptive_{n}"]]
+    if norm is not None and adaptive:
+        raise ValueError(
+            f"`norm_to_scale_identity_weight_per_block`={norm!r} cannot be combined with {', '.join(adaptive)}=True "
+            "(as in kfac-jax 0.0.8): the quadratic model behind adaptive coefficients does not use the scaled damping."
+        )
 
 
 def _check_ranges(args: Mapping[str, Any]) -> None:
@@ -196,6 +204,7 @@ def optimizer_config(args: Mapping[str, Any]) -> StepConfig:
         use_exact_inverses=bool(args["use_exact_inverses"]),
         precon_damping_mult=float(args["precon_damping_mult"]),
         precon_damping_schedule=args["precon_damping_schedule"],
+        block_norm=estimators.block_norm_name(args["norm_to_scale_identity_weight_per_block"]),
     )
 
 
@@ -273,10 +282,7 @@ def check_optax_preconditioner_args(args: Mapping[str, Any]) -> None:
     utils.check_int(args["inverse_update_period"], "inverse_update_period", 1)
     if args["num_samples"] != 1:
         raise NotImplementedError(f"OptaxPreconditioner: `num_samples` must be 1, got {args['num_samples']!r}.")
-    if args["norm_to_scale_identity_weight_per_block"] is not None:
-        raise NotImplementedError(
-            "OptaxPreconditioner: `norm_to_scale_identity_weight_per_block` is not supported; pass None."
-        )
+    estimators.block_norm_name(args["norm_to_scale_identity_weight_per_block"])
     if args["norm_constraint"] is not None:
         utils.check_number(args["norm_constraint"], "norm_constraint", 0.0)
 

@@ -14,27 +14,39 @@ import jax.numpy as jnp
 from curvax import linalg, utils
 
 
+def block_norm_kwargs(block_norm: str | None) -> dict[str, Any]:
+    """The estimator's keyword for kfac-jax 0.0.8's per-block damping norm: none when off, so the
+    product is the same call (and program) as without the option."""
+    return {} if block_norm is None else {"norm_to_scale_identity_weight_per_block": block_norm}
+
+
 def precondition(
     estimator: Any, state: Any, vector: Any, identity_weight: Any, exact: bool, use_cached: bool,
     power: float = -1, axis: str | None = None, like: Any = None, distribution: Any = None,
+    block_norm: str | None = None,
 ) -> Any:
     """``(C + identity_weight I)^power vector`` (the inverse by default), ``C`` from ``state``.
 
     ``exact`` and ``use_cached`` are the estimator's (static). Blocks may hold statistics in a
     wider dtype than the parameters: with ``like`` (a pytree shaped as ``vector``) each leaf is
     cast back to ``like``'s dtype. ``distribution`` (a ``curvax.distributed.Distribution``, or
-    None) splits the blocks' products over the devices and shares the results.
+    None) splits the blocks' products over the devices and shares the results. ``block_norm``
+    (a norm name, or None) multiplies each block's damping by the block's norm
+    (``norm_to_scale_identity_weight_per_block``).
     """
     extra = {} if distribution is None else {"distribution": distribution}
+    extra.update(block_norm_kwargs(block_norm))
     out = estimator.multiply_matpower(state, vector, identity_weight, power, exact, use_cached, axis, **extra)
     if not (use_cached or exact or getattr(distribution, "split_state", False)):
-        out = _retry_in_float64(estimator, state, vector, identity_weight, power, out)
+        out = _retry_in_float64(estimator, state, vector, identity_weight, power, out, block_norm)
     if like is None:
         return out
     return jax.tree_util.tree_map(lambda v, p: v.astype(jnp.result_type(p)), out, like)
 
 
-def _retry_in_float64(estimator: Any, state: Any, vector: Any, identity_weight: Any, power: float, out: Any) -> Any:
+def _retry_in_float64(
+    estimator: Any, state: Any, vector: Any, identity_weight: Any, power: float, out: Any, block_norm: str | None = None
+) -> Any:
     """``out``, or, when it is not finite while ``vector`` is, the same product
     computed in float64 on every block (one ``lax.cond`` for the whole product).
 
@@ -57,7 +69,9 @@ def _retry_in_float64(estimator: Any, state: Any, vector: Any, identity_weight: 
     def in_float64(_: Any) -> Any:
         with jax.enable_x64(True):
             state64, vector64, weight64 = jax.tree_util.tree_map(wide, (state, vector, identity_weight))
-            wide_out = estimator.multiply_matpower(state64, vector64, weight64, power, False, False)
+            wide_out = estimator.multiply_matpower(
+                state64, vector64, weight64, power, False, False, **block_norm_kwargs(block_norm)
+            )
         return jax.tree_util.tree_map(lambda w, o: w.astype(o.dtype), wide_out, out)
 
     return jax.lax.cond(failed, in_float64, lambda _: out, None)
@@ -65,10 +79,10 @@ def _retry_in_float64(estimator: Any, state: Any, vector: Any, identity_weight: 
 
 def curvature_product(
     estimator: Any, state: Any, vector: Any, identity_weight: Any, exact: bool, use_cached: bool,
-    axis: str | None = None,
+    axis: str | None = None, block_norm: str | None = None,
 ) -> Any:
-    """``(C + identity_weight I) vector``, ``C`` from ``state``."""
-    return estimator.multiply(state, vector, identity_weight, exact, use_cached, axis)
+    """``(C + identity_weight I) vector``, ``C`` from ``state`` (``block_norm`` as for ``precondition``)."""
+    return estimator.multiply(state, vector, identity_weight, exact, use_cached, axis, **block_norm_kwargs(block_norm))
 
 
 def constrain_norm(

@@ -260,7 +260,7 @@ class StepProgram:
         exact, approx = self.cache_powers()
         est_state = refresh.refresh(
             self.estimator, est_state, step, cfg.inverse_update_period, identity_weight, exact, approx,
-            cfg.inverse_update_staggered, self.distribution,
+            cfg.inverse_update_staggered, self.distribution, cfg.block_norm,
         )
         return est_state, skipped
 
@@ -292,7 +292,7 @@ class StepProgram:
         # Phase 4: the preconditioned gradient, in the parameters' dtypes.
         precon = precondition.precondition(
             self.estimator, est_state, g.grads, identity_weight, cfg.use_exact_inverses, cfg.inverse_update_period != 1,
-            like=params, distribution=self.distribution,
+            like=params, distribution=self.distribution, block_norm=cfg.block_norm,
         )
         # Phase 5: the coefficients, with the norm constraint on the preconditioned gradient.
         lr = coefficients.schedule_value(cfg.lr_schedule, lr_arg, step, state.data_seen)
