@@ -161,6 +161,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "seq_masked_loss_no_bias_fixed_ggn_curvature_prop_keys_aligned": dict(model="seq_masked_loss_no_bias", mode="fixed", estimation_mode="ggn_curvature_prop", align_keys=True),
     "seq_masked_loss_adaptive_fisher_exact": dict(model="seq_masked_loss", mode="adaptive", estimation_mode="fisher_exact"),
     "mlp_fixed_ggn_exact_norm_identity_weight": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", optimizer=dict(norm_to_scale_identity_weight_per_block="avg_diag")),
+    # Each block's damping times its norm (kfac-jax's block.norm): other norms, conv and
+    # scale-and-shift blocks, exact inverses served from the cache with the call-time damping.
+    "mlp_fixed_ggn_exact_norm_identity_weight_fro": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", optimizer=dict(norm_to_scale_identity_weight_per_block="fro")),
+    "cnn_ln_fixed_ggn_exact_norm_identity_weight_avg_fro": dict(model="cnn_ln", mode="fixed", estimation_mode="ggn_exact", optimizer=dict(norm_to_scale_identity_weight_per_block="avg_fro")),
+    "mlp_fixed_ggn_exact_norm_identity_weight_exact_inverses_period3": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", optimizer=dict(norm_to_scale_identity_weight_per_block="fro", use_exact_inverses=True, inverse_update_period=3)),
+    # kfac-jax 0.0.8 computes the normed damping in update_cache but bakes the plain one into the
+    # cached approximate inverses (BLOCK_NORM_CACHE); curvax uses the normed one there too.
+    "mlp_fixed_ggn_exact_norm_identity_weight_period3": dict(model="mlp", mode="fixed", estimation_mode="ggn_exact", optimizer=dict(norm_to_scale_identity_weight_per_block="avg_diag", inverse_update_period=3)),
 }
 EMPIRICAL_FISHER = (
     "fisher_empirical: kfac-jax 0.0.8 divides the cotangents w * grad(loss) by sqrt(B), so its statistics are "
@@ -168,6 +176,14 @@ EMPIRICAL_FISHER = (
     "the Fisher). mlp_fixed_fisher_empirical (w = 1) differs by that; mlp_fixed_fisher_empirical_rescaled gives "
     "curvax B times kfac-jax's l2_reg, damping and learning rate, which is then the same step. "
     "two_losses_fixed_fisher_empirical (w = 0.5 on one loss) differs by both."
+)
+BLOCK_NORM_CACHE = (
+    "norm_to_scale_identity_weight_per_block with cached approximate inverses (inverse_update_period > 1, "
+    "use_exact_inverses=False): kfac-jax 0.0.8's BlockDiagonalCurvature.update_cache multiplies each block's "
+    "identity weight by its norm and then passes the unmultiplied weight to block.update_cache, so its cached "
+    "(pi-damped) Kronecker inverses ignore the option; curvax bakes the normed damping into them, as its "
+    "products from the statistics and kfac-jax's own do. mlp_fixed_ggn_exact_norm_identity_weight_period3 "
+    "differs by that; with period 1 or exact inverses (the damping applied at call time) the two agree."
 )
 SEQUENCE_LOGITS = (
     "seq_masked_loss* (softmax cross-entropy on logits (B, T, C)) in fisher_exact/ggn_exact: kfac-jax 0.0.8's "
@@ -664,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         "edge_cases": EDGE_CASES,
         "empirical_fisher": EMPIRICAL_FISHER,
         "sequence_logits": SEQUENCE_LOGITS,
+        "block_norm_cache": BLOCK_NORM_CACHE,
         "summary": {n: {"max_abs_param_diff": r.get("max_abs_param_diff"), "max_rel_param_diff": r.get("max_rel_param_diff"),
                         "max_rel_stat_diff": max(r.get("max_rel_stat_diff", {}).values(), default=None),
                         "sampled": r["sampled"], "error": r.get("error_curvax") or r.get("error_kfac_jax")}

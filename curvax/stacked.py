@@ -100,24 +100,34 @@ class StackedBlock(CurvatureBlock):
     # Those that decompose the slices' factors map over the slices one at a time on CPU, where
     # batched LAPACK calls can deadlock each other (``linalg.map_decompositions``).
 
+    def _map_slices(self, fn: Callable[..., Any], state: Any, *per_slice: Any) -> Any:
+        """``fn(slice_state, *slice_args)`` for every slice, stacked. A state without arrays (a
+        scaled identity's) is every slice's: ``fn`` is mapped over ``per_slice`` alone, or
+        called once and its outputs broadcast to the slices."""
+        if jax.tree_util.tree_leaves(state):
+            return linalg.map_decompositions(fn, state, *per_slice)
+        if per_slice:
+            return jax.vmap(lambda *args: fn(state, *args))(*per_slice)
+        return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (self.length, *jnp.shape(x))), fn(state))
+
     def inverse_diagonal(self, state: Any, identity_weight: Numeric) -> tuple:
         if np.ndim(identity_weight) == 0:
-            return tuple(linalg.map_decompositions(lambda s: self.inner.inverse_diagonal(s, identity_weight), state))
-        return tuple(linalg.map_decompositions(self.inner.inverse_diagonal, state, self._slice_weights(identity_weight)))
+            return tuple(self._map_slices(lambda s: self.inner.inverse_diagonal(s, identity_weight), state))
+        return tuple(self._map_slices(self.inner.inverse_diagonal, state, self._slice_weights(identity_weight)))
 
     def eigenvalues(self, state: Any, use_cached: bool) -> Any:
-        return jnp.ravel(linalg.map_decompositions(lambda s: self.inner.eigenvalues(s, use_cached), state))
+        return jnp.ravel(self._map_slices(lambda s: self.inner.eigenvalues(s, use_cached), state))
 
     def norm(self, state: Any, norm_type: str) -> Any:
         """Each slice's norm (shape ``(length,)``): every slice is its own block."""
-        return linalg.map_decompositions(lambda s: self.inner.norm(s, norm_type), state)
+        return self._map_slices(lambda s: self.inner.norm(s, norm_type), state)
 
     def update_cache(self, state: Any, identity_weight: Numeric, exact_powers: ScalarOrSequence, approx_powers: ScalarOrSequence, eigenvalues: bool) -> Any:
         if np.ndim(identity_weight) == 0:
             update = lambda s: self.inner.update_cache(s, identity_weight, exact_powers, approx_powers, eigenvalues)
-            return linalg.map_decompositions(update, state)
+            return self._map_slices(update, state)
         update_w = lambda s, w: self.inner.update_cache(s, w, exact_powers, approx_powers, eigenvalues)
-        return linalg.map_decompositions(update_w, state, self._slice_weights(identity_weight))
+        return self._map_slices(update_w, state, self._slice_weights(identity_weight))
 
     def to_dense_matrix(self, state: Any) -> Any:
         per_slice = jax.vmap(self.inner.to_dense_matrix)(state)  # (L, n, n) in per-slice parameter order

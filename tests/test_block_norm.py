@@ -7,6 +7,8 @@ block's own factors (kfac-jax's definition: the product of the factors' norms).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -229,3 +231,118 @@ def test_psd_matrix_norm_keeps_the_old_spellings_and_refuses_others():
         curvax.utils.psd_matrix_norm(m, "nuclear")
     with pytest.raises(ValueError, match="matrix"):
         curvax.utils.psd_matrix_norm(jnp.ones((2, 3)), "avg_diag")
+
+
+# --- every block class: kfac-jax's norm against the block's dense matrix -------------------------
+
+# The norms for which the product of the factors' norms is the norm of their Kronecker product.
+MULTIPLICATIVE = ("avg_diag", "trace", "fro", "avg_fro", "1_norm", "2_norm", "one_over_dim")
+
+
+def _dense_norm_oracle(block, bstate, kind):
+    """A diagonal block's norm is the product of its parameters' diagonals' norms (kfac-jax's
+    definition); any other block's is the norm of its dense matrix (for ``MULTIPLICATIVE`` norms).
+    Both times the block's scale, as kfac-jax's ``norm`` (``"one_over_dim"`` reads no values)."""
+    scale = float(block.scale(bstate, False))
+    dense = np.asarray(block.to_dense_matrix(bstate)) / scale
+    if isinstance(block, curvax.blocks.Diagonal):
+        pieces = np.split(np.diag(dense), np.cumsum(block.parameters_sizes)[:-1])
+        return scale * np.prod([_np_norm(p, kind) for p in pieces])
+    return scale * _np_norm(dense, kind)
+
+
+def _check_block_norms(loss, params, batch, ctors=None, **est_kwargs):
+    est = curvax.BlockDiagonalCurvature(loss, layer_tag_to_block_ctor=ctors, **est_kwargs)
+    state = est.init(jax.random.PRNGKey(1), (params, batch), None, None)
+    state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, batch[0].shape[0], jax.random.PRNGKey(2),
+                                                 (params, batch), estimation_mode="fisher_exact")
+    state = est.update_cache(state, 0.1, None, None, False)  # EKFAC's eigenbasis
+    seen = set()
+    for block, bstate in zip(est.blocks, state.blocks_states):
+        for kind in MULTIPLICATIVE:
+            got = np.asarray(block.norm(bstate, kind))
+            if isinstance(block, curvax.stacked.StackedBlock):  # one norm per slice, each its own block
+                want = [_dense_norm_oracle(block.inner, jax.tree_util.tree_map(lambda x: x[i], bstate), kind)
+                        for i in range(block.length)]
+                seen.add(type(block.inner).__name__)
+            else:
+                want = _dense_norm_oracle(block, bstate, kind)
+            np.testing.assert_allclose(got, want, rtol=1e-10, err_msg=f"{type(block).__name__} {kind}")
+        seen.add(type(block).__name__)
+    return seen
+
+
+def _transformer():
+    from models import transformer_params, transformer_scan, xent_loss
+
+    params = transformer_params(jax.random.PRNGKey(0), layers=2, width=4, hidden=5, vocab=6)
+    ids = jax.random.randint(jax.random.PRNGKey(1), (3, 4), 0, 6)
+    return xent_loss(transformer_scan), params, (ids, jnp.roll(ids, -1, axis=1))
+
+
+def test_norms_of_the_transformer_blocks_embedding_stacked_scale_and_shift():
+    seen = _check_block_norms(*_transformer())
+    assert {"EmbeddingKroneckerFactored", "StackedBlock", "ScaleAndShiftDiagonal", "RepeatedDenseKroneckerFactored"} <= seen
+
+
+@pytest.mark.parametrize("ctor", [
+    curvax.DenseEigenvalueCorrected, curvax.DenseTNT, curvax.DenseFull, curvax.DenseDiagonal,
+    curvax.RepeatedDenseKroneckerFactored, curvax.ScaledIdentity,
+    functools.partial(curvax.DensePartitionedKroneckerFactored, inputs_block_size=2, outputs_block_size=3),
+], ids=lambda c: getattr(c, "__name__", None) or c.func.__name__)
+def test_norms_of_the_other_dense_blocks(ctor):
+    loss, params, batch = _transformer()
+    assert _check_block_norms(loss, params, batch, {"dense": ctor})
+
+
+def _conv_loss(groups):
+    def loss(p, batch):
+        x, y = batch
+        h = jax.lax.conv_general_dilated(x, p["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                         feature_group_count=groups) + p["b"]
+        out = jnp.tanh(h).reshape(x.shape[0], -1) @ p["d"]
+        curvax.register_squared_error_loss(out, y)
+        return jnp.mean(jnp.sum((out - y) ** 2, -1))
+
+    return loss
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_norms_of_the_conv_blocks(groups):
+    k = jax.random.split(jax.random.PRNGKey(3), 5)
+    params = {"w": jax.random.normal(k[0], (3, 3, 4 // groups, 4)) / 3, "b": 0.1 * jax.random.normal(k[1], (4,)),
+              "d": jax.random.normal(k[2], (4 * 4 * 4, 2)) / 8}
+    batch = (jax.random.normal(k[3], (3, 4, 4, 4)), jax.random.normal(k[4], (3, 2)))
+    seen = _check_block_norms(_conv_loss(groups), params, batch)
+    assert ("ConvGroupedTwoKroneckerFactored" if groups == 2 else "Conv2DTwoKroneckerFactored") in seen
+    if groups == 1:
+        for ctor in (curvax.Conv2DDiagonal, curvax.Conv2DFull):
+            assert _check_block_norms(_conv_loss(1), params, batch, {"conv2d": ctor})
+
+
+@pytest.mark.parametrize("use_cached", [False, True])
+def test_stacked_layers_get_each_slice_its_own_normed_damping(use_cached):
+    loss, params, batch = _transformer()
+    est = curvax.BlockDiagonalCurvature(loss)
+    state = est.init(jax.random.PRNGKey(1), (params, batch), -1, None)
+    state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, batch[0].shape[0], jax.random.PRNGKey(2),
+                                                 (params, batch), estimation_mode="fisher_exact")
+    kw = {"norm_to_scale_identity_weight_per_block": "avg_diag"}
+    state = est.update_cache(state, 0.2, -1, None, False, **kw)
+    vec = jax.tree_util.tree_map(lambda p: jax.random.normal(jax.random.PRNGKey(5), p.shape), params)
+    out = est.multiply_inverse(state, vec, 0.2, True, use_cached, **kw)
+    stacked = 0
+    for block, bstate, v, o in zip(est.blocks, state.blocks_states, est.params_vector_to_blocks_vectors(vec),
+                                   est.params_vector_to_blocks_vectors(out)):
+        if isinstance(block, curvax.stacked.StackedBlock):
+            stacked += 1
+            pieces = [(block.inner, jax.tree_util.tree_map(lambda x: x[i], bstate), [x[i] for x in v], [x[i] for x in o])
+                      for i in range(block.length)]
+        else:
+            pieces = [(block, bstate, v, o)]
+        for b, s, vi, oi in pieces:
+            dense = np.asarray(b.to_dense_matrix(s))
+            flat = lambda t: np.concatenate([np.ravel(x) for x in t])
+            want = np.linalg.solve(dense + 0.2 * _dense_norm_oracle(b, s, "avg_diag") * np.eye(len(dense)), flat(vi))
+            np.testing.assert_allclose(flat(oi), want, rtol=1e-9, atol=1e-12)
+    assert stacked
