@@ -397,9 +397,7 @@ class CurvatureEstimator(abc.ABC, Generic[StateType]):
         """``multiply_matpower`` for ``multiply``/``multiply_inverse``: passes ``distribution`` and
         kfac-jax v0.0.8's per-block norm on only when given."""
         norm = _block_norm_kwarg(kwargs)
-        extra: dict[str, Any] = {} if distribution is None else {"distribution": distribution}
-        if norm is not None:
-            extra[BLOCK_NORM_ARG] = norm
+        extra: dict[str, Any] = ({} if distribution is None else {"distribution": distribution}) | ({} if norm is None else {BLOCK_NORM_ARG: norm})
         return self.multiply_matpower(state, vector, identity_weight, power, exact_power, use_cached, pmap_axis_name, **extra)
 
     @abc.abstractmethod
@@ -828,16 +826,12 @@ class BlockDiagonalCurvature(CurvatureEstimator):
           distribution: a ``curvax.distributed.Distribution`` with ``inverses`` on: each device
             refreshes ~1/N of the blocks (by ``block_refresh_costs``) and shares them; same
             result. None (default): every device refreshes every block.
-          kwargs: kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block``: None (default)
-            or ``"none"``, or a norm name (``curvax.linalg.NORM_TYPES``): each block's
-            ``identity_weight`` is multiplied by ``block.norm(state, name)`` before it is baked
-            into the cache. Another keyword raises ``TypeError``.
+          kwargs: ``norm_to_scale_identity_weight_per_block``, as for ``multiply_matpower``: the
+            normed damping is baked into the cache.
         """
         norm = _block_norm_kwarg(kwargs)
         self._require_finalized()
-        refresh = lambda b: lambda sw: b.update_cache(
-            sw[0], _normed_weight(b, sw[0], sw[1], norm), exact_powers, approx_powers, eigenvalues
-        )
+        refresh = lambda b: lambda sw: b.update_cache(sw[0], _normed_weight(b, sw[0], sw[1], norm), exact_powers, approx_powers, eigenvalues)
         on = distribution is not None and distribution.inverses and self.distributed_cache_updates
         return BlockDiagonalState(tuple(distributed.map_blocks(
             [refresh(b) for b in self._blocks], list(zip(state.blocks_states, self._per_block(identity_weight, "identity_weight"))),  # type: ignore[union-attr]
@@ -933,10 +927,9 @@ class BlockDiagonalCurvature(CurvatureEstimator):
           distribution: a ``curvax.distributed.Distribution`` with ``precon_apply`` on: each
             device multiplies ~1/N of the blocks and shares the products; same result. None
             (default): every device multiplies every block.
-          kwargs: kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block``: None (default)
-            or ``"none"``, or a norm name (``curvax.linalg.NORM_TYPES``): each block's
-            ``identity_weight`` is multiplied by ``block.norm(state, name)`` (its current
-            statistics' norm, scale included). Another keyword raises ``TypeError``.
+          kwargs: kfac-jax v0.0.8's ``norm_to_scale_identity_weight_per_block``: None/``"none"``
+            (default), or a norm name (``curvax.linalg.NORM_TYPES``) multiplying each block's
+            ``identity_weight`` by ``block.norm(state, name)``. Another keyword: ``TypeError``.
 
         Returns:
           A pytree shaped like the parameters.
@@ -945,9 +938,7 @@ class BlockDiagonalCurvature(CurvatureEstimator):
         self._require_finalized()
         self._check_state(state)
         operands = zip(state.blocks_states, self.params_vector_to_blocks_vectors(parameter_structured_vector), self._per_block(identity_weight, "identity_weight"))
-        product = lambda b: lambda svw: b.multiply_matpower(
-            svw[0], svw[1], _normed_weight(b, svw[0], svw[2], norm), power, exact_power, use_cached
-        )
+        product = lambda b: lambda svw: b.multiply_matpower(svw[0], svw[1], _normed_weight(b, svw[0], svw[2], norm), power, exact_power, use_cached)
         on = distribution is not None and distribution.precon_apply and self.distributed_multiplies
         out = distributed.map_blocks([product(b) for b in self._blocks], list(operands), [_apply_cost(b) for b in self._blocks], distribution, on,  # type: ignore[union-attr]
                                      split=[(True, True, False)] * len(self._blocks), split_outputs=True)  # type: ignore[arg-type]
