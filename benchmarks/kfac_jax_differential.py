@@ -28,9 +28,10 @@ without padding, scale-and-shift (vector and scalar scale), strided and VALID co
 shared and an unused parameter, two losses, per-position logits with a mask, the other block
 classes (full, diagonal, TNT, naive, scaled identity) and optimizer options (``norm_constraint``,
 ``min_damping``/``max_damping``, ``precon_damping_mult``, ``curvature_update_period``,
-``inverse_update_period``, ``use_exact_inverses``). The differences that remain are explained in
-``EMPIRICAL_FISHER`` and ``SEQUENCE_LOGITS`` and in docs/migration/kfac_jax.md (a repeated dense
-layer's bias row with padding: ``repeated_dense_masked*``).
+``inverse_update_period``, ``use_exact_inverses``, ``norm_to_scale_identity_weight_per_block``).
+The differences that remain are explained in ``EMPIRICAL_FISHER``, ``SEQUENCE_LOGITS`` and
+``BLOCK_NORM_CACHE`` and in docs/migration/kfac_jax.md (a repeated dense layer's bias row with
+padding: ``repeated_dense_masked*``).
 
 kfac-jax 0.0.8 needs JAX <= 0.9.1 (its jaxpr interpreter fails on newer JAX); run this script with
 the interpreter of such an environment, with curvax importable (this checkout is put on the
