@@ -227,6 +227,7 @@ class Optimizer:
         self._params_spec: Any = None
         self._state_spec: Any = None
         self._checked_signature: Any = None  # of the last step arguments that passed the checks
+        self._checked_batch_signature: Any = None  # of the last batch that passed them
         self._compile()
         self._forbid = bool(forbid_setting_attributes_after_finalize)
         self._modifiable = frozenset(modifiable_attribute_exceptions)
@@ -255,11 +256,17 @@ class Optimizer:
             self._jit_step = pmap(self._step_impl, (0, 1, 4))
             self._jit_burnin = pmap(self._program.burnin, (1,))
             self._jit_init = pmap(self._program.init)
+            # The step as ``step`` calls it: with the flags word of its report (``_guard``), by
+            # its compiled program (``parallel.CompiledPmap``: no pmap dispatch in Python).
+            reported = parallel.CompiledPmap(pmap(self._step_reported, (0, 1, 4)))
+            self._call_step = reported
         else:
             wrap = (lambda f, **kw: f) if self._debug else jax.jit
             self._jit_step = wrap(self._step_impl)
             self._jit_burnin = wrap(self._program.burnin)
             self._jit_init = wrap(self._program.init)
+            reported = wrap(self._step_reported)
+            self._call_step = lambda key, *args: reported(*args)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if getattr(self, "_finalized", False) and self._forbid and not name.startswith("_") and name not in self._modifiable and name != "trace_count":
@@ -364,7 +371,7 @@ class Optimizer:
             self._prepare(params, rng, batch, func_state)
             state = self._jit_init(params, rng, batch, func_state)
         self._state_spec = _config.state_spec(state)
-        self._checked_signature = None
+        self._checked_signature = self._checked_batch_signature = None
         return state
 
     def _prepare(self, params: Any, rng: jax.Array, batch: Any, func_state: Any) -> None:
@@ -518,9 +525,10 @@ class Optimizer:
             ``learning_rate``/``momentum``/``damping``/``func_state`` is missing or a refused
             one is given, or the batch's leaves disagree on their leading size.
         """
-        step_int = self._check_step_args(params, state, rng, data_iterator, batch, func_state, learning_rate, momentum, damping, global_step_int)
+        step_int, sig = self._check_step_args(params, state, rng, data_iterator, batch, func_state, learning_rate, momentum, damping, global_step_int)
+        # A coefficient not given (scheduled or adaptive) is passed as None: nothing to transfer.
         lr, mom, damp = (
-            _config.scalar_arg(v, name, self._multi_device)
+            None if v is None else _config.scalar_arg(v, name, self._multi_device)
             for v, name in ((learning_rate, "learning_rate"), (momentum, "momentum"), (damping, "damping"))
         )
         if self._config.num_burnin_steps > 0 and step_int == 0:
@@ -531,9 +539,13 @@ class Optimizer:
                 batch = next(data_iterator)  # type: ignore[arg-type]
             except StopIteration:
                 raise ValueError("`data_iterator` is exhausted: step needs one batch from it.") from None
-        self._check_batch(batch)
-        params, state, func_state, stats = self._jit_step(params, state, rng, batch, func_state, lr, mom, damp)
-        self._report(stats)
+        batch_sig = _config.call_signature(batch)
+        if sig is None or batch_sig is None or batch_sig != self._checked_batch_signature:
+            self._check_batch(batch)
+            self._checked_batch_signature = batch_sig
+        key = None if sig is None or batch_sig is None else (sig, batch_sig)
+        params, state, func_state, stats, flags = self._call_step(key, params, state, rng, batch, func_state, lr, mom, damp)
+        self._report(stats, flags)
         if self._has_state:
             return params, state, func_state, stats
         return params, state, stats
@@ -541,14 +553,16 @@ class Optimizer:
     def _check_step_args(
         self, params: Any, state: Any, rng: Any, data_iterator: Any, batch: Any, func_state: Any, learning_rate: Any,
         momentum: Any, damping: Any, global_step_int: int | None,
-    ) -> int:
-        """The host-side checks of ``step``'s arguments; returns the step number (see ``step``).
+    ) -> tuple[int, Any]:
+        """The host-side checks of ``step``'s arguments; returns the step number (see ``step``)
+        and the arguments' signature (``_config.call_signature``; None when traced).
 
         The structural checks depend only on the arguments' tree structures, shapes and dtypes:
         a call whose signature equals the last checked one skips them (they are most of a small
         model's host time per step)."""
         sig = _config.call_signature(params, state, rng, func_state)
-        if sig != self._checked_signature or (data_iterator is None) == (batch is None) or (self._has_state and func_state is None):
+        if (sig is None or sig != self._checked_signature or (data_iterator is None) == (batch is None)
+                or (self._has_state and func_state is None)):
             _config.check_step_call(
                 self._params_spec, self._multi_device, self._has_state, params, state, rng, data_iterator, batch, func_state
             )
@@ -562,7 +576,7 @@ class Optimizer:
         # Checked here where concrete; a traced value is flagged by the step (`invalid_coefficients`).
         for value, name in ((learning_rate, "learning_rate"), (momentum, "momentum"), (damping, "damping")):
             _config.check_concrete_coefficient(value, name, self._config.l2_reg)
-        return step_int
+        return step_int, sig
 
     def _first_burnin(self, params: Any, state: Any, key: jax.Array, data_iterator: Any, batch: Any, func_state: Any) -> tuple[Any, Any]:
         """The burn-in of the first step: from ``data_iterator``, or repeating ``batch`` (with a warning)."""
@@ -578,12 +592,19 @@ class Optimizer:
             self._burnin_warned = True
         return self.burnin(num, params, state, key, iter([batch] * num), func_state)
 
+    def _step_reported(self, *args: Any) -> tuple[Any, OptimizerState, Any, dict[str, Any], jax.Array]:
+        """``_step_impl``'s outputs and the flags word its report reads (one device transfer)."""
+        params, state, func_state, stats = self._step_impl(*args)
+        return params, state, func_state, stats, _guard.flags_word(stats)
+
     def _step_impl(
         self, params: Any, state: OptimizerState, rng: jax.Array, batch: Any, func_state: Any, lr_arg: jax.Array,
         mom_arg: jax.Array, damp_arg: jax.Array, batch_size_override: int | None = None,
     ) -> tuple[Any, OptimizerState, Any, dict[str, Any]]:
-        """The compiled step (``StepProgram.step``), counting its traces in ``trace_count``."""
+        """The compiled step (``StepProgram.step``), counting its traces in ``trace_count``.
+        A coefficient passed as None (not given to ``step``) is a zero, as ``scalar_arg`` makes it."""
         self.trace_count += 1
+        lr_arg, mom_arg, damp_arg = (_config.scalar_arg(None, "") if a is None else a for a in (lr_arg, mom_arg, damp_arg))
         return self._program.step(params, state, rng, batch, func_state, lr_arg, mom_arg, damp_arg, batch_size_override)
 
     # --- quadratic model -----------------------------------------------------------------------

@@ -119,3 +119,43 @@ def test_bound_axes_lets_traces_see_the_device_axis():
         assert jax.eval_shape(f, 1.0).shape == ()
     with pytest.raises(NameError):
         jax.make_jaxpr(f)(1.0)
+
+
+def _pmap_run(sizes: tuple[int, ...]) -> tuple[curvax.Optimizer, list]:
+    """Steps of a one-device pmap-mode optimizer on batches of the given sizes; the parameters after each."""
+    params, batch = models.classifier(8)
+    add = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)
+    opt = curvax.Optimizer(jax.value_and_grad(models.softmax_loss), multi_device=True, l2_reg=1e-3, num_burnin_steps=0,
+                           estimation_mode="fisher_exact", inverse_update_period=1, learning_rate_schedule=lambda s: 0.1)
+    key = add(jax.random.PRNGKey(0))
+    p, state = add(params), opt.init(add(params), key, add(batch))
+    out = []
+    for n in sizes:
+        p, state, _ = opt.step(p, state, key, batch=add(jax.tree_util.tree_map(lambda a: a[:n], batch)), momentum=0.5, damping=0.1)
+        out.append(np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(p)]))
+    return opt, out
+
+
+def test_pmap_mode_calls_one_compiled_program_per_signature_with_the_pmaps_numbers(monkeypatch):
+    """``parallel.CompiledPmap``: the step's compiled programs are called directly (no pmap
+    dispatch in Python), one per batch shape, and give the pmap's numbers bit for bit."""
+    from curvax import parallel
+
+    opt, direct = _pmap_run((8, 8, 4, 8))
+    assert parallel.CompiledPmap.direct_calls()  # JAX's pmap is a jitted shard_map here
+    assert len(opt._call_step._programs) == 2 and opt.trace_count == 2
+    monkeypatch.setattr(parallel.CompiledPmap, "direct_calls", staticmethod(lambda: False))
+    opt_pmap, through_pmap = _pmap_run((8, 8, 4, 8))
+    assert opt_pmap._call_step._programs == {}
+    for a, b in zip(direct, through_pmap):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_traced_call_has_no_signature():
+    """``step`` traced inside a ``jit`` cannot call a compiled program: no signature, so the pmap is called."""
+    from curvax.step import config
+
+    assert config.call_signature({"a": np.ones(3)}, None) is not None
+    seen = []
+    jax.jit(lambda x: seen.append(config.call_signature({"a": x})) or x)(np.ones(3))
+    assert seen == [None]

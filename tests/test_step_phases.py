@@ -187,6 +187,37 @@ def test_reporter_logs_skipped_steps(caplog):
     assert not any("curvax step 4" in r.getMessage() for r in caplog.records)
 
 
+class _Unreadable:
+    """A ready device value whose reading fails: the report must not read it."""
+
+    def is_ready(self) -> bool:
+        return True
+
+    def __array__(self, *args, **kwargs):
+        raise AssertionError("read although no flag was set")
+
+
+def test_flags_word_packs_each_reported_flag_in_its_own_bit():
+    keys = guard.REPORT_KEYS[2:]
+    for i, key in enumerate(keys):
+        stats = {k: jnp.asarray(k == key) for k in keys}
+        assert int(guard.flags_word(stats)) == 1 << i, key
+    assert int(guard.flags_word({k: jnp.asarray(False) for k in keys})) == 0
+    assert int(guard.flags_word({})) == 0  # a stat the step does not report is not flagged
+
+
+def test_reporter_reads_only_the_flags_word_of_a_step_with_nothing_to_report(caplog):
+    report = guard.Reporter()
+    with caplog.at_level(logging.WARNING, logger="curvax"):
+        for _ in range(guard.REPORT_BACKLOG + 2):
+            report({k: _Unreadable() for k in guard.REPORT_KEYS}, jnp.int32(0))
+        flagged = {"step": jnp.int32(7), "loss": jnp.float32(2.0), "update_skipped": jnp.asarray(False),
+                   "curvature_update_skipped": jnp.asarray(True), "loss_diverged": jnp.asarray(False)}
+        report(flagged, guard.flags_word(flagged))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "curvax step 7" in messages[0] and "curvature statistics update skipped" in messages[0]
+
+
 # --- statistics ------------------------------------------------------------------------------
 
 

@@ -88,7 +88,7 @@ def _check_exclusive(args: Mapping[str, Any]) -> None:
         raise ValueError("use_adaptive_damping=True needs `initial_damping` (e.g. initial_damping=1.0).")
     if args["norm_constraint"] is not None and args["use_adaptive_learning_rate"]:
         raise ValueError("`norm_constraint` can only be used with a fixed or scheduled learning rate.")
-    norm = estimators.block_norm_name(args["norm_to_scale_identity_weight_per_block"])
+    norm = estimators.block_norm_name(args.get("norm_to_scale_identity_weight_per_block"))
     adaptive = [f"use_adaptive_{n}" for n in ("learning_rate", "momentum", "damping") if args[f"use_adaptive_{n}"]]
     if norm is not None and adaptive:
         raise ValueError(
@@ -204,7 +204,7 @@ def optimizer_config(args: Mapping[str, Any]) -> StepConfig:
         use_exact_inverses=bool(args["use_exact_inverses"]),
         precon_damping_mult=float(args["precon_damping_mult"]),
         precon_damping_schedule=args["precon_damping_schedule"],
-        block_norm=estimators.block_norm_name(args["norm_to_scale_identity_weight_per_block"]),
+        block_norm=estimators.block_norm_name(args.get("norm_to_scale_identity_weight_per_block")),
     )
 
 
@@ -282,7 +282,7 @@ def check_optax_preconditioner_args(args: Mapping[str, Any]) -> None:
     utils.check_int(args["inverse_update_period"], "inverse_update_period", 1)
     if args["num_samples"] != 1:
         raise NotImplementedError(f"OptaxPreconditioner: `num_samples` must be 1, got {args['num_samples']!r}.")
-    estimators.block_norm_name(args["norm_to_scale_identity_weight_per_block"])
+    estimators.block_norm_name(args.get("norm_to_scale_identity_weight_per_block"))
     if args["norm_constraint"] is not None:
         utils.check_number(args["norm_constraint"], "norm_constraint", 0.0)
 
@@ -445,12 +445,15 @@ def state_spec(state: Any) -> tuple[Any, tuple[tuple[int, ...], ...]]:
     return treedef, tuple(tuple(np.shape(x)) for x in leaves)
 
 
-def call_signature(*trees: Any) -> tuple:
+def call_signature(*trees: Any) -> tuple | None:
     """The tree structures, shapes and dtypes of ``trees``: everything the structural checks of a
-    step call depend on (a cheap key to skip them for a call like the last checked one)."""
+    step call depend on (a cheap key to skip them for a call like the last checked one, and to
+    find the step's compiled program). None when a leaf is traced (``step`` inside a ``jit``)."""
     out = []
     for tree in trees:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return None
         out.append((treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)))
     return tuple(out)
 

@@ -69,36 +69,55 @@ def divergence(first_loss: jax.Array, loss: Any) -> tuple[jax.Array, jax.Array]:
     return first_loss, diverged
 
 
+# The stats a report reads: the step and its loss, then the flags ``flags_word`` packs.
+REPORT_KEYS = (
+    "step", "loss", "update_skipped", "curvature_update_skipped", "loss_diverged", "learning_rate_invalid",
+    "momentum_invalid", "damping_invalid",
+)
+
+
+def flags_word(stats: Mapping[str, Any]) -> jax.Array:
+    """The report's flags (``REPORT_KEYS[2:]``) as the bits of one int32, computed in the step so
+    that the host reads one number per step, not six (each read is a device transfer)."""
+    word = jnp.zeros((), jnp.int32)
+    for bit, key in enumerate(REPORT_KEYS[2:]):
+        if key in stats:
+            word = word | (jnp.asarray(stats[key]).astype(jnp.int32) << bit)
+    return word
+
+
 class Reporter:
     """Logs a warning for each step whose update or statistics were skipped, or whose loss diverged.
 
     Host-side. The flags are read only once computed (``jax.Array.is_ready``), so reporting
     never waits for the device: a step's line appears at a later call (at most
-    ``REPORT_BACKLOG`` steps later, when the oldest is waited for).
+    ``REPORT_BACKLOG`` steps later, when the oldest is waited for). Given the step's
+    ``flags_word``, a step reads that one number, and the rest only when a flag is set.
     """
 
-    KEYS = (
-        "step", "loss", "update_skipped", "curvature_update_skipped", "loss_diverged", "learning_rate_invalid",
-        "momentum_invalid", "damping_invalid",
-    )
+    KEYS = REPORT_KEYS
 
     def __init__(self) -> None:
         self._pending: collections.deque = collections.deque()
 
-    def __call__(self, stats: Mapping[str, Any]) -> None:
-        """Queues ``stats`` (a step's stats dict) and logs every queued step whose flags are ready."""
-        entry = tuple(stats.get(k, False) for k in self.KEYS)
-        if any(isinstance(a, jax.core.Tracer) for a in entry):
+    def __call__(self, stats: Mapping[str, Any], flags: Any = None) -> None:
+        """Queues ``stats`` (a step's stats dict; ``flags``: its ``flags_word``, if computed) and
+        logs every queued step whose flags are ready."""
+        values = tuple(stats.get(k, False) for k in self.KEYS)
+        watched = values if flags is None else (flags,)
+        if any(isinstance(a, jax.core.Tracer) for a in watched):
             return  # ``step`` traced inside the user's own jit: there is nothing to read on the host
-        self._pending.append(entry)
+        self._pending.append((watched, values, flags))
         while self._pending:
-            entry = self._pending[0]
+            watched, values, flags = self._pending[0]
             if len(self._pending) <= REPORT_BACKLOG and not all(
-                not hasattr(a, "is_ready") or a.is_ready() for a in entry
+                not hasattr(a, "is_ready") or a.is_ready() for a in watched
             ):
                 break
             self._pending.popleft()
-            self._log(*(np.asarray(a).reshape(-1)[0] for a in entry))
+            if flags is not None and not np.asarray(flags).reshape(-1)[0]:
+                continue  # nothing to report: the other values are not read
+            self._log(*(np.asarray(a).reshape(-1)[0] for a in values))
 
     @staticmethod
     def _log(
