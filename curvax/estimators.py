@@ -84,7 +84,9 @@ def keep_finite_statistics(old: Any, new: Any, pmap_axis_name: str | None = None
     scalar, e.g. "the batch's loss is finite") drops it for another reason in the same select.
     """
     finite = jnp.logical_and(statistics_are_finite(new, pmap_axis_name), valid)
-    kept = jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+    # A conditional, not a select per leaf: XLA would copy the flag's reduction over every leaf
+    # into each leaf's fusion (a program quadratic in the number of leaves, slow to compile).
+    kept = jax.lax.cond(finite, lambda ops: ops[0], lambda ops: ops[1], (new, old))
     return kept, jnp.logical_not(finite)
 
 

@@ -624,7 +624,7 @@ class Optimizer:
         """
         if func_args is None:
             raise ValueError("compute_exact_quad_model needs `func_args`.")
-        lin = self._program.linearize(func_args)
+        lin = self._program.linearize(func_args, with_outputs=False)
         kind = "ggn" if self._config.estimation_mode.startswith("ggn") else "fisher"
         bs = self._program.batch_size_extractor(func_args[-1])
         return _coefficients.exact_quad_model(lin.deps_jvp, lin.losses, vectors, grads, bs, kind, self._axis)

@@ -315,3 +315,59 @@ def test_step_coefficient_arguments():
     assert config.scalar_arg(None, "momentum").dtype == jnp.float32
     with pytest.raises(ValueError, match="scalar"):
         config.scalar_arg([1.0, 2.0], "momentum")
+
+
+# --- program size ----------------------------------------------------------------------------
+
+
+def _optimized_size(fn, *args) -> int:
+    """Instructions of ``jax.jit(fn)``'s program after XLA's optimizations."""
+    return sum(" = " in line for line in jax.jit(fn).lower(*args).compile().as_text().splitlines())
+
+
+@pytest.mark.parametrize("phase", ["guarded_update", "keep_finite_statistics"])
+def test_a_flag_over_all_leaves_keeps_the_program_linear_in_the_leaves(phase):
+    """A flag reduced over every leaf and used on every leaf (the update's and the statistics'
+    finiteness) goes through a conditional: with a select per leaf XLA copied the whole
+    reduction into each leaf's fusion, a program quadratic in the number of leaves (FermiNet's
+    Psiformer step: 35k instructions, most of its compile time)."""
+    from curvax import estimators
+
+    def run(n: int) -> int:
+        leaves = [jnp.full((4, 3 + i % 4), 0.5) for i in range(n)]
+        if phase == "guarded_update":
+            fn = lambda p, c: guard.guarded_update(guard.update_is_finite(p, p, c, c[0]), c, p, p)[1]
+        else:
+            fn = lambda p, c: estimators.keep_finite_statistics(p, [x * c[0] for x in p])[0]
+        return _optimized_size(fn, leaves, jnp.ones(2))
+
+    small, large = run(12), run(36)
+    assert large / small < 4.5, (small, large)  # linear: ~3; with a select per leaf: ~9
+
+
+def test_a_users_gradient_leaves_the_values_own_equations_out_of_the_curvature_pass(monkeypatch):
+    """When the gradient comes from ``value_and_grad_func`` (not proven shared), curvax's own pass
+    evaluates only what the registered loss and the layers need: an equation used by the loss's
+    value alone (the ``cumsum``) is not evaluated (FermiNet's local energy, whose second
+    derivatives doubled the step's tracing time)."""
+    import curvax
+    from curvax import _compat
+
+    def loss(params, batch):
+        x, y = batch
+        out = x @ params["w"]
+        curvax.register_squared_error_loss(out, y)
+        return 0.5 * jnp.mean((out - y) ** 2) + 1e-3 * jnp.sum(jnp.cumsum(params["w"][:, 0]))
+
+    params = {"w": jnp.ones((4, 2)) / 4}
+    batch = (jnp.ones((8, 4)), jnp.zeros((8, 2)))
+    # A hand-written value_and_grad_func: its gradient is not proven to be the traced value's.
+    value_and_grad = lambda p, b: jax.value_and_grad(loss)(p, b)
+    opt = curvax.Optimizer(value_and_grad, l2_reg=1e-3, num_burnin_steps=0, inverse_update_period=1)
+    state = opt.init(params, jax.random.PRNGKey(0), batch)
+    assert not opt._program.shares_gradient
+    seen = []
+    real = _compat.eval_equation
+    monkeypatch.setattr(_compat, "eval_equation", lambda eqn, invals: seen.append(eqn.primitive.name) or real(eqn, invals))
+    opt.step(params, state, jax.random.PRNGKey(1), batch=batch, learning_rate=0.1, momentum=0.0, damping=0.1)
+    assert "dot_general" in seen and "cumsum" not in seen, sorted(set(seen))

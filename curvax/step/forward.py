@@ -46,7 +46,7 @@ class CurvatureView(NamedTuple):
     batch_size: Any
 
 
-def linearize(pj: Any, func_args: Sequence[Any], with_loss: bool = True) -> Linearization:
+def linearize(pj: Any, func_args: Sequence[Any], with_loss: bool = True, with_outputs: bool = True) -> Linearization:
     """The traced function ``pj`` (a ``ProcessedJaxpr``) at ``func_args``, linearized.
 
     ``with_loss`` False linearizes only the registered losses' inputs: the loss value is then a
@@ -56,12 +56,19 @@ def linearize(pj: Any, func_args: Sequence[Any], with_loss: bool = True) -> Line
     (a custom rule, e.g. the VMC energy over local energies with second derivatives, or an
     iterative solver's ``while_loop``) would otherwise have that value code differentiated,
     which costs a pass the step discards, or fails (``while_loop`` has no transpose).
+
+    ``with_outputs`` False (with ``with_loss`` False) evaluates only what the registered losses
+    and the layers need: ``loss`` is then None and ``outs`` empty. When the loss and gradient
+    come from the user's ``value_and_grad_func``, the value's own equations (FermiNet's local
+    energy, second derivatives included) are not traced a second time.
     """
+    if with_loss and not with_outputs:
+        raise ValueError("linearize: with_loss=True needs with_outputs=True.")
     p, o = pj.split_args(func_args)
     eps = pj.zero_perturbations(p, o)
 
     def fwd(q: Any, e: Any) -> Any:
-        (deps, outs), aux = pj.evaluate(q, o, e, with_outputs=True)
+        (deps, outs), aux = pj.evaluate(q, o, e, with_outputs=with_outputs)
         return ((outs[0], deps) if with_loss else deps), (aux, outs)
 
     primal, f_jvp, ((ops, layer_data), outs) = jax.linearize(fwd, p, eps, has_aux=True)
@@ -71,7 +78,7 @@ def linearize(pj: Any, func_args: Sequence[Any], with_loss: bool = True) -> Line
         deps_of = lambda t: t[1]  # noqa: E731
         vjp_of_deps = lambda cot: f_t((jnp.zeros_like(loss), cot))  # noqa: E731
     else:
-        loss, deps, f_vjp = outs[0], primal, None
+        loss, deps, f_vjp = (outs[0] if outs else None), primal, None
         deps_of = lambda t: t  # noqa: E731
         vjp_of_deps = f_t
 

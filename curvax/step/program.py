@@ -106,10 +106,11 @@ class StepProgram:
                 "Use reshape(x.shape[0], -1)" + (", or curvature_batch_fraction=1." if sub_batch else ".")
             ) from e
 
-    def linearize(self, func_args: Sequence[Any], with_loss: bool = False) -> forward.Linearization:
+    def linearize(self, func_args: Sequence[Any], with_loss: bool = False, with_outputs: bool = True) -> forward.Linearization:
         """The value function at ``func_args``, linearized (``curvax.step.forward.linearize``);
-        the loss itself only with ``with_loss`` (for the shared gradient pass)."""
-        return forward.linearize(self.estimator.processed_jaxpr_for(func_args), func_args, with_loss)
+        the loss itself only with ``with_loss`` (for the shared gradient pass), the function's
+        outputs (the loss value) only with ``with_outputs``."""
+        return forward.linearize(self.estimator.processed_jaxpr_for(func_args), func_args, with_loss, with_outputs)
 
     def state_shardings_for(self, params: Any, example: tuple[Any, Any, Any] | None = None) -> OptimizerState | None:
         """Where the state lives when ``params`` span a mesh of several devices (else None).
@@ -212,7 +213,8 @@ class StepProgram:
         """Phases 1-2: one linearized forward pass gives the curvature's data and, where proven
         the same (``curvax.gradients``), the loss and the gradient; otherwise those come from
         the user's ``value_and_grad_func``. Averaged over the pmap devices."""
-        lin = self.linearize(func_args, with_loss=self.shares_gradient)
+        # The value and gradient from the user's function: this pass needs only the curvature's part.
+        lin = self.linearize(func_args, with_loss=self.shares_gradient, with_outputs=self.shares_gradient)
         loss = lin.loss
         if self.shares_gradient:
             value, grads = forward.shared_gradient(lin, pj)
@@ -238,7 +240,9 @@ class StepProgram:
         curvature_args = make_args(curvature_batch)
         self.trace(curvature_args, sub_batch=True)
         eager = self.cfg.curvature_update_period == 1 or self.cfg.adaptive_coefficients
-        return forward.sub_batch_view(lambda: self.linearize(curvature_args), size_of(curvature_batch), eager)
+        return forward.sub_batch_view(
+            lambda: self.linearize(curvature_args, with_outputs=False), size_of(curvature_batch), eager
+        )
 
     def update_curvature(
         self, est_state: Any, step: jax.Array, view: Callable[[], forward.CurvatureView], key: jax.Array,
