@@ -165,12 +165,23 @@ def unplaced_slice(tree: Any, index: int = 0) -> Any:
     same axis inside the pmapped step (``Mesh for all inputs should be equal`` from ``scan``,
     ``cond``, ...). So do leaves placed on a mesh of another axis name (e.g. by
     ``utils.replicate_all_local_devices``). A copy on one device carries no mesh: its trace fits
-    any context.
+    any context. The copy is read off the shard that holds the slice, through the host: indexing
+    the array would compile two small programs per leaf and shape (a second or more on a model
+    of many leaves).
     """
 
     def leaf(x: Any) -> Any:
+        try:  # a concrete array on this process's devices (a tracer has no shards to read)
+            local = isinstance(x, jax.Array) and x.is_fully_addressable and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+            shards = x.addressable_shards if local else []
+        except Exception:
+            shards = []
+        for s in shards:
+            start, stop, _ = (s.index[0] if s.index else slice(None)).indices(x.shape[0])
+            if start <= index < stop:
+                return jax.device_put(np.asarray(s.data)[index - start], jax.sharding.SingleDeviceSharding(s.device))
         x = x[index]
-        try:  # a concrete array on this process's devices (a tracer has no sharding to read)
+        try:
             local = isinstance(x, jax.Array) and x.is_fully_addressable
             devices = sorted(x.sharding.device_set, key=lambda d: d.id) if local else []
         except Exception:

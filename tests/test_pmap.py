@@ -159,3 +159,23 @@ def test_a_traced_call_has_no_signature():
     seen = []
     jax.jit(lambda x: seen.append(config.call_signature({"a": x})) or x)(np.ones(3))
     assert seen == [None]
+
+
+def test_averaged_statistics_are_judged_finite_without_another_collective():
+    """Statistics averaged over the devices (every step here) are the same on every device, so
+    is their finiteness: the step needs no all-reduce of the decision (a ``pmin``) after the
+    average, one collective fewer per step. (A NaN on one device still reaches every device
+    through the average: ``tests/test_nan_guard.py`` and ``test_claims.py`` run that on 4 devices.)"""
+    import re
+
+    params, batch = models.classifier(8)
+    add = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)
+    opt = curvax.Optimizer(jax.value_and_grad(models.softmax_loss), multi_device=True, l2_reg=1e-3, num_burnin_steps=0,
+                           estimation_mode="fisher_exact", inverse_update_period=1)
+    key = add(jax.random.PRNGKey(0))
+    state = opt.init(add(params), key, add(batch))
+    c = np.full((1,), 0.1, np.float32)
+    text = opt._jit_step.lower(add(params), state, key, add(batch), None, c, c, c).as_text()
+    reductions = re.findall(r"all_reduce.*?stablehlo\.return", text, flags=re.S)
+    assert reductions and all("stablehlo.add" in r for r in reductions)  # the averages, and no min
+    assert not any("minimum" in r for r in reductions)

@@ -20,12 +20,16 @@ from curvax.step.forward import CurvatureView
 
 def settle(estimator: Any, old: Any, new: Any, axis: str | None, sync: Any = True, valid: Any = True) -> tuple[Any, jax.Array]:
     """``(state, skipped)``: ``new`` averaged over the pmap ``axis`` (when ``sync``, a bool or a
-    traced boolean) and kept if finite and ``valid``, else ``old`` with ``skipped`` True."""
+    traced boolean) and kept if finite and ``valid``, else ``old`` with ``skipped`` True.
+
+    ``valid`` must be the same on every device. Statistics averaged on every step are the same
+    on every device too, so their finiteness is decided without another collective; otherwise
+    the devices agree through one (``keep_finite_statistics``)."""
     if isinstance(sync, bool):
         new = estimator.sync(new, axis) if sync else new
     else:
         new = jax.lax.cond(sync, lambda s: estimator.sync(s, axis), lambda s: s, new)
-    return estimators.keep_finite_statistics(old, new, axis, valid)
+    return estimators.keep_finite_statistics(old, new, None if sync is True else axis, valid)
 
 
 def update_from_args(
