@@ -148,8 +148,19 @@ _DEBUG_TEMPLATE = None if DebugInfo is not None else jax.make_jaxpr(lambda: ())(
 _BOUND_AXES: list[tuple[Any, int]] = []  # axes bound by `bound_axes` where JAX's own context is missing
 
 
-def make_jaxpr(fun: Callable[..., Any], *args: Any) -> ClosedJaxpr:
-    return jax.make_jaxpr(fun, axis_env=list(_BOUND_AXES) or None)(*args)
+def make_jaxpr(fun: Callable[..., Any], *args: Any, return_shape: bool = False) -> Any:
+    return jax.make_jaxpr(fun, axis_env=list(_BOUND_AXES) or None, return_shape=return_shape)(*args)
+
+
+def first_outputs(closed: ClosedJaxpr, count: int) -> ClosedJaxpr:
+    """``closed`` with only its first ``count`` outputs (the equations stay; evaluation skips
+    those no output needs): the trace of ``lambda *a: f(*a)[:count]`` from the trace of ``f``."""
+    jaxpr = closed.jaxpr
+    info = getattr(jaxpr, "debug_info", None)
+    paths = getattr(info, "result_paths", None)
+    if isinstance(paths, (tuple, list)) and hasattr(info, "_replace"):
+        info = info._replace(result_paths=tuple(paths)[:count])
+    return ClosedJaxpr(jaxpr.replace(outvars=list(jaxpr.outvars[:count]), debug_info=info), closed.consts)
 
 
 @contextlib.contextmanager

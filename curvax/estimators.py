@@ -522,17 +522,19 @@ class BlockDiagonalCurvature(CurvatureEstimator):
 
     # --- structure ----------------------------------------------------------------
 
-    def finalize(self, func_args: Sequence[Any]) -> None:
+    def finalize(self, func_args: Sequence[Any], traced: tuple[Any, Any] | None = None) -> None:
         """Traces ``func`` on ``func_args`` and builds the blocks (once; later calls only trace).
 
         Args:
           func_args: example arguments of ``func`` (only their shapes and dtypes matter).
+          traced: ours: ``func``'s trace at ``func_args``, ``(closed jaxpr, output shapes)``,
+            when the caller has it (the optimizer, from ``value_and_grad_func``'s): not traced again.
 
         Raises:
           ValueError: when ``func`` registers no loss, or a trace at other shapes finds other
             layers than the first.
         """
-        pj = self._cache.get(func_args)
+        pj = self._cache.get(func_args, traced)
         if self._blocks is not None:
             return
         self._pj = pj
@@ -1121,12 +1123,13 @@ class ExplicitExactCurvature(BlockDiagonalCurvature):
         """Position in ``func_args`` of the batch that is evaluated one example at a time."""
         return self._batch_index
 
-    def finalize(self, func_args: Sequence[Any]) -> None:
+    def finalize(self, func_args: Sequence[Any], traced: tuple[Any, Any] | None = None) -> None:
         """Traces ``func`` on ``func_args`` and builds the single full block (once).
 
-        ``func_args``: example arguments of ``func`` (only shapes and dtypes matter).
+        ``func_args``: example arguments of ``func`` (only shapes and dtypes matter); ``traced``
+        as for ``BlockDiagonalCurvature.finalize``.
         """
-        pj = self._cache.get(func_args)
+        pj = self._cache.get(func_args, traced)
         if self._blocks is not None:
             return
         self._pj = pj

@@ -136,12 +136,14 @@ class ProcessedJaxpr:
         params_index: int = 0,
         auto_register_tags: bool = True,
         allow_left_out_params: bool = False,
+        traced: tuple[Any, Any] | None = None,
         **auto_registration_kwargs: Any,
     ) -> "ProcessedJaxpr":
-        """Traces ``func(*func_args)`` and detects its losses and layers."""
+        """Traces ``func(*func_args)`` and detects its losses and layers. ``traced``: that trace
+        already made, ``(closed jaxpr, output shapes)``, used instead of tracing again."""
         func_args = tuple(func_args)
-        closed = _compat.make_jaxpr(func, *func_args)
-        out_tree = jax.tree_util.tree_structure(jax.eval_shape(func, *func_args))
+        closed, out_shape = traced if traced is not None else _compat.make_jaxpr(func, *func_args, return_shape=True)
+        out_tree = jax.tree_util.tree_structure(out_shape)
         return cls(
             closed.jaxpr, closed.consts, jax.tree_util.tree_structure(func_args), params_index, allow_left_out_params,
             out_tree=out_tree, auto_register_tags=auto_register_tags, **auto_registration_kwargs,
@@ -344,12 +346,14 @@ class _Cache:
         self._by_shape: dict[Any, ProcessedJaxpr] = {}
         self.first: ProcessedJaxpr | None = None
 
-    def get(self, func_args: Sequence[Any]) -> ProcessedJaxpr:
+    def get(self, func_args: Sequence[Any], traced: tuple[Any, Any] | None = None) -> ProcessedJaxpr:
+        """The processed trace of ``func`` at ``func_args``' shapes; ``traced`` (``(closed
+        jaxpr, output shapes)`` of ``func`` there), if given, spares a trace on a miss."""
         key = _shape_key(func_args)
         pj = self._by_shape.get(key)
         if pj is None:
             pj = ProcessedJaxpr.make_from_func(
-                self.func, func_args, self.params_index, allow_left_out_params=True, **self.kwargs
+                self.func, func_args, self.params_index, allow_left_out_params=True, traced=traced, **self.kwargs
             )
             if self.first is None:
                 self.first = pj

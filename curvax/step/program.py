@@ -10,6 +10,7 @@ same methods.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -144,8 +145,10 @@ class StepProgram:
         when a parameter fell back to a generic block).
         """
         func_args = self.func.make_args(params, func_state, rng, self.process(batch))
-        user_jaxpr = self.func.check_outputs(func_args)
-        self.estimator.finalize(func_args)
+        user_jaxpr, value_trace = self.func.check_outputs(func_args)
+        # curvax's estimators take the value's trace; a custom one (kfac-jax's signature) traces it.
+        takes_trace = "traced" in inspect.signature(self.estimator.finalize).parameters
+        self.estimator.finalize(func_args, **({"traced": value_trace} if takes_trace else {}))
         pj = self.estimator.processed_jaxpr
         proof = gradients.prove_shared_gradient(
             self.func.value_and_grad_func, self.func.has_aux or self.func.has_state, func_args, pj.program,

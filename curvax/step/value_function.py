@@ -12,6 +12,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from curvax import _compat
+
 
 def describe(x: Any) -> str:
     """A short description of a value's shape, for error messages."""
@@ -87,14 +89,16 @@ class ValueFunction:
                 f"got {describe(value)}."
             ) from None
 
-    def check_outputs(self, func_args: Sequence[Any]) -> Any:
-        """Checks the function's outputs at ``func_args`` against the flags; returns its jaxpr.
+    def check_outputs(self, func_args: Sequence[Any]) -> tuple[Any, tuple[Any, Any]]:
+        """Checks the function's outputs at ``func_args`` against the flags; returns its jaxpr,
+        and the trace of ``value`` taken from it (``(closed jaxpr, output shapes)``).
 
-        The jaxpr serves the gradient proof (``curvax.gradients``), so that the function is
-        traced once.
+        The jaxpr serves the gradient proof (``curvax.gradients``) and the value's trace the
+        estimator's (``finalize(..., traced=...)``), so that the function is traced once (a
+        second trace of a VMC loss with second derivatives costs seconds).
         """
         try:
-            jaxpr, out = jax.make_jaxpr(self.value_and_grad_func, return_shape=True)(*func_args)
+            jaxpr, out = _compat.make_jaxpr(self.value_and_grad_func, *func_args, return_shape=True)
         except TypeError as e:
             raise TypeError(
                 f"Calling value_and_grad_func{self.signature()} failed: {e}. Check the "
@@ -106,4 +110,4 @@ class ValueFunction:
         if jax.tree_util.tree_structure(grads) != jax.tree_util.tree_structure(func_args[0]):
             raise ValueError("The gradients returned by value_and_grad_func do not have the structure of the parameters.")
         self._check_value(value)
-        return jaxpr
+        return jaxpr, (_compat.first_outputs(jaxpr, len(jax.tree_util.tree_leaves(value))), value)
