@@ -52,3 +52,24 @@ def test_tag_primitives_are_transparent_to_transformations():
     batched = jax.vmap(lambda w: tags.register_dense(x @ w, x, w))(jnp.stack([w, 2 * w]))
     np.testing.assert_allclose(batched[1], x @ (2 * w))
     assert any(e.primitive is tags.dense for e in _eqns(f, w))
+
+
+def test_first_outputs_is_the_trace_of_the_leading_outputs():
+    """``first_outputs``: a jaxpr with its first outputs only, as the trace of ``f(*a)[:k]``."""
+    from jax.extend import core as jex_core
+
+    def f(p, x):
+        return jnp.sum(jnp.tanh(x @ p) ** 2), {"a": p.sum()}
+
+    vg = jax.value_and_grad(f, has_aux=True)
+    p, x = jnp.ones((3, 2)) / 3, jnp.arange(12.0).reshape(4, 3)
+    closed, (value, _) = _compat.make_jaxpr(vg, p, x, return_shape=True)
+    count = len(jax.tree_util.tree_leaves(value))
+    first = _compat.first_outputs(closed, count)
+    assert len(first.jaxpr.outvars) == count == 2
+    direct = jax.make_jaxpr(lambda *a: vg(*a)[0])(p, x)
+    assert [e.primitive for e in first.jaxpr.eqns] == [e.primitive for e in direct.jaxpr.eqns]
+    got = jex_core.jaxpr_as_fun(first)(p, x)
+    want = jax.tree_util.tree_leaves(vg(p, x)[0])
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
