@@ -593,3 +593,20 @@ def test_init_traces_value_and_grad_func_once():
     assert len(calls) == 1
     # The estimator's processed trace is the value's: its outputs are the loss alone.
     assert opt.estimator.processed_jaxpr.out_tree.num_leaves == 1
+
+
+def test_a_value_func_for_the_estimator_is_traced_itself():
+    """The value's trace is shared with the estimator only when the estimator traces the value:
+    ``value_func_for_estimator`` is traced itself (its statistics are its own;
+    ``test_optimizer_v008_args.py`` checks the step's numbers)."""
+    params, batch = models.classifier(8)
+    calls = []
+
+    def scaled(p, b):
+        calls.append(1)
+        return 3.0 * models.softmax_loss(p, b)
+
+    opt = curvax.Optimizer(jax.value_and_grad(models.softmax_loss), l2_reg=1e-3, num_burnin_steps=0,
+                           value_func_for_estimator=scaled)
+    opt.init(params, jax.random.PRNGKey(0), batch)
+    assert len(calls) >= 1

@@ -146,8 +146,10 @@ class StepProgram:
         """
         func_args = self.func.make_args(params, func_state, rng, self.process(batch))
         user_jaxpr, value_trace = self.func.check_outputs(func_args)
-        # curvax's estimators take the value's trace; a custom one (kfac-jax's signature) traces it.
-        takes_trace = "traced" in inspect.signature(self.estimator.finalize).parameters
+        # The value's trace serves the estimator when the estimator traces the value itself (not
+        # a `value_func_for_estimator`) and takes a trace (curvax's; kfac-jax's signature does not).
+        takes_trace = (getattr(self.estimator, "func", None) == self.func.value
+                       and "traced" in inspect.signature(self.estimator.finalize).parameters)
         self.estimator.finalize(func_args, **({"traced": value_trace} if takes_trace else {}))
         pj = self.estimator.processed_jaxpr
         proof = gradients.prove_shared_gradient(
