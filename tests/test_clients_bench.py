@@ -66,3 +66,45 @@ def test_every_row_option_reaches_the_child(monkeypatch, tmp_path):
     assert rec["num_devices"] == 4 and rec["ansatz"] == "attention" and rec["returncode"] == "timeout"
     clients.run_child("deepqmc", "curvax", 1.0, "default", 1)
     assert "XLA_FLAGS" not in seen["env"]
+
+
+def test_the_optimizers_own_part_is_the_step_less_the_clients_gradient():
+    """``--time-gradient``: each step after the first also times the client's gradient alone; the
+    summary's medians leave out step 0 (it compiles) and the runs that did not time it."""
+    steps = [{"step_s": 5.0, "client_gradient_s": None, "loss": -1.0}]
+    steps += [{"step_s": s, "client_gradient_s": g, "loss": -1.0} for s, g in ((0.010, 0.007), (0.012, 0.008), (0.011, 0.006))]
+    rec = clients.summarize({"phase": "done", "steps": 4, "opt_steps": steps, "iterations": [],
+                             "client_gradient_first_s": 2.5})
+    s = rec["summary"]
+    assert s["ok"] and s["step_median_s"] == pytest.approx(0.011)
+    assert s["client_gradient_median_s"] == pytest.approx(0.007)
+    assert s["optimizer_own_median_s"] == pytest.approx(0.004)  # median of 0.003, 0.004, 0.005
+    assert s["client_gradient_first_s"] == 2.5
+    untimed = clients.summarize({"phase": "done", "steps": 2, "opt_steps": [
+        {"step_s": 1.0, "loss": -1.0}, {"step_s": 0.01, "client_gradient_s": None, "loss": -1.0}], "iterations": []})
+    assert untimed["summary"]["optimizer_own_median_s"] is None
+    short = clients.summarize({"phase": "done", "steps": 40, "opt_steps": steps, "iterations": []})
+    assert not short["summary"]["ok"]  # 4 of the 40 steps asked for
+
+
+def test_the_energy_gap_is_judged_over_the_first_15_steps_of_a_longer_run():
+    late = [-1.0] * 15 + [-1.0, -1.05]  # MCMC chains of float32 runs part after many steps
+    runs = [_run("kfac_jax", "default", 1, 0, 0.01, [-1.0] * 17), _run("curvax", "default", 1, 0, 0.01, late)]
+    runs[1]["summary"]["energies"][3] = -1.0 + 2e-6
+    (row,) = clients.compare_rows(runs)
+    assert row["max_energy_diff"] == pytest.approx(2e-6)
+    assert row["max_energy_diff_all_steps"] == pytest.approx(0.05)
+
+
+def test_the_step_count_and_the_gradient_timing_reach_the_child(monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, env, **kwargs):
+        seen["env"] = env
+        raise clients.subprocess.TimeoutExpired(cmd, 1)
+
+    monkeypatch.setattr(clients.subprocess, "run", fake_run)
+    clients.run_child("ferminet", "kfac_jax", 1.0, "default", 1, time_gradient=True, steps=40)
+    assert seen["env"]["CLIENTS_STEPS"] == "40" and seen["env"]["CLIENTS_TIME_GRADIENT"] == "1"
+    clients.run_child("ferminet", "kfac_jax", 1.0, "default", 1)
+    assert seen["env"]["CLIENTS_STEPS"] == str(clients.STEPS) and "CLIENTS_TIME_GRADIENT" not in seen["env"]
