@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -145,6 +146,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "one_out_sigmoid_adaptive_ggn_exact": dict(model="one_out_sigmoid", mode="adaptive", estimation_mode="ggn_exact"),
     "conv_valid_no_bias_fixed_ggn_exact": dict(model="conv_valid_no_bias", mode="fixed", estimation_mode="ggn_exact"),
     "conv_valid_no_bias_diagonal_fixed_ggn_exact": dict(model="conv_valid_no_bias", mode="fixed", estimation_mode="ggn_exact", blocks={"conv2d": "Conv2DDiagonal"}),
+    # kfac-jax 0.0.8's TNT block for convolutions (per-location weights, fixed scale T).
+    "cnn_ln_conv_tnt_fixed_ggn_exact": dict(model="cnn_ln", mode="fixed", estimation_mode="ggn_exact", blocks={"conv2d": "Conv2DTNT"}),
+    "conv_valid_no_bias_tnt_fixed_ggn_exact": dict(model="conv_valid_no_bias", mode="fixed", estimation_mode="ggn_exact", blocks={"conv2d": "Conv2DTNT"}),
+    "cnn_ln_conv_tnt_per_example_fixed_ggn_exact": dict(model="cnn_ln", mode="fixed", estimation_mode="ggn_exact",
+                                                        blocks={"conv2d": ("Conv2DTNT", {"weighting_per_location": False})}),
     # curvax's empirical Fisher is B times kfac-jax's (docs/migration/kfac_jax.md, EMPIRICAL_FISHER):
     # with l2_reg, damping and learning rate B times larger curvax takes kfac-jax's steps.
     "mlp_fixed_fisher_empirical_rescaled": dict(model="mlp", mode="fixed", estimation_mode="fisher_empirical",
@@ -522,8 +528,11 @@ def run_child(backend: str, configs: list[str], steps: int, out_path: Path, over
         )
         if mode == "schedule":
             kwargs.update(DATA_SEEN_SCHEDULES if cfg.get("data_seen") else SCHEDULES)
-        if "blocks" in cfg:  # tag name -> block class name, e.g. {"dense": "DenseFull"}
-            kwargs["layer_tag_to_block_ctor"] = {t: getattr(kfac_jax, c) for t, c in cfg["blocks"].items()}
+        if "blocks" in cfg:  # tag name -> block class name ({"dense": "DenseFull"}), or (name, its options)
+            kwargs["layer_tag_to_block_ctor"] = {
+                t: getattr(kfac_jax, c) if isinstance(c, str) else functools.partial(getattr(kfac_jax, c[0]), **c[1])
+                for t, c in cfg["blocks"].items()
+            }
         kwargs.update(cfg.get("optimizer", {}))
         if backend == "curvax":
             kwargs.update(cfg.get("curvax_optimizer", {}))

@@ -293,6 +293,78 @@ def test_conv_blocks_match_per_example_definitions(cfg):
                                want + 0.5 * jnp.concatenate([t.ravel() for t in vec]), atol=1e-10)
 
 
+def tnt_factors(p, dy2, batch, per_location):
+    """TNT's factors from patch rows ``p`` (with the bias's 1) and cotangent rows ``dy2`` (same order)."""
+    w = np.sum(dy2**2, axis=1)
+    s = np.sum(p**2, axis=1)
+    if not per_location:  # every location weighed by its example's sums
+        w = np.repeat(w.reshape(batch, -1).sum(1), len(w) // batch)
+        s = np.repeat(s.reshape(batch, -1).sum(1), len(s) // batch)
+    return (p * w[:, None]).T @ p / len(p), (dy2 * s[:, None]).T @ dy2 / len(p)
+
+
+@pytest.mark.parametrize("per_location", [True, False])
+@pytest.mark.parametrize("cfg", BLOCK_CONFIGS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_conv_tnt_matches_its_definition(cfg, per_location):
+    """kfac-jax 0.0.8's Conv2DTNT: per-location (or per-example) weighted factors and
+    ``C = T (A (x) G) / sqrt(tr A tr G)``, against explicit patches and the layer's cotangents."""
+    batch, layout, bias = 3, cfg["layout"], cfg["bias"]
+    eqn, f, params, x, dy, spec, _ = configured_layer(cfg, 1, batch)
+    block = curvax.Conv2DTNT(eqn, "c", weighting_per_location=per_location)
+    ((dense, state),) = estimate([block], x, dy, params, batch)
+    p, out = dense_patches(channels_last(x, layout), (3, 2), spec.window_strides, spec.padding,
+                           spec.lhs_dilation, spec.rhs_dilation)
+    if bias:
+        p = np.concatenate([p, np.ones((p.shape[0], 1))], 1)
+    a, gg = tnt_factors(p, np.asarray(channels_last(dy, layout)).reshape(-1, 4), batch, per_location)
+    np.testing.assert_allclose(state.inputs_factor.value, a, rtol=1e-10)
+    np.testing.assert_allclose(state.outputs_factor.value, gg, rtol=1e-10)
+    locations = int(np.prod(out[1:]))
+    assert block.fixed_scale() == locations
+    scale = locations / np.sqrt(np.trace(a) * np.trace(gg))
+    vec = tuple(jnp.asarray(np.random.default_rng(i).standard_normal(s.shape)) for i, s in enumerate(eqn.params))
+    v = block.parameters_shaped_list_to_array(vec)
+    got = block.array_to_parameters_shaped_list(scale * (a @ v @ gg))
+    np.testing.assert_allclose(jnp.concatenate([t.ravel() for t in got]),
+                               dense @ jnp.concatenate([t.ravel() for t in vec]), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("per_location", [True, False])
+def test_conv_tnt_of_one_example_at_one_location_is_its_gradients_outer_product(per_location):
+    eqn, f, params, x, dy, _ = make_layer(4, "NCHW", 1, (3, 3), 2, 3, (3, 3), True)
+    g = per_example_grads(f, params, x, dy)[0]
+    ((dense, _),) = estimate([curvax.Conv2DTNT(eqn, weighting_per_location=per_location)], x, dy, params, 1)
+    np.testing.assert_allclose(dense, jnp.outer(g, g), rtol=1e-9, atol=1e-12)
+
+
+def test_conv_tnt_arguments():
+    eqn, *_ = make_layer(0, "NHWC", 2, (4, 4), 2, 3, (2, 2), True)
+    assert curvax.Conv2DTNT(eqn).weighting_per_location  # kfac-jax's default
+    with pytest.raises(TypeError, match="by keyword"):
+        curvax.Conv2DTNT(eqn, False)  # kfac-jax's positional flag: curvax blocks take `name` second
+    with pytest.raises(TypeError, match="weighting_per_location"):
+        curvax.Conv2DTNT(eqn, "c", weighting_per_location="no")
+    grouped, *_ = make_layer(0, "NHWC", 2, (4, 4), 4, 6, (2, 2), True, groups=2)
+    with pytest.raises(ValueError, match="feature_group_count"):
+        curvax.Conv2DTNT(grouped, "c")
+    assert curvax.kfac_api.curvature_blocks.Conv2DTNT is curvax.Conv2DTNT
+
+
+def test_conv_tnt_drives_the_optimizer():
+    """Selected for every conv2d layer by ``layer_tag_to_block_ctor``, it trains a small CNN."""
+    loss, params, batch = plain_cnn(jax.random.PRNGKey(0))
+    opt = curvax.Optimizer(jax.value_and_grad(loss), l2_reg=0.0, learning_rate_schedule=lambda s: 0.1,
+                           damping_schedule=lambda s: 1e-2, momentum_schedule=lambda s: 0.0,
+                           layer_tag_to_block_ctor={"conv2d": curvax.Conv2DTNT}, num_burnin_steps=0)
+    state = opt.init(params, jax.random.PRNGKey(1), batch)
+    assert any(isinstance(b, curvax.Conv2DTNT) for b in opt.estimator.blocks)
+    losses = []
+    for i in range(6):
+        params, state, stats = opt.step(params, state, jax.random.PRNGKey(i), batch=batch)
+        losses.append(float(stats["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
 def test_grouped_convolution_blocks_and_defaults():
     batch = 3
     eqn, f, params, x, dy, _ = make_layer(2, "NHWC", batch, (4, 4), 4, 6, (2, 2), True, groups=2, padding="SAME")

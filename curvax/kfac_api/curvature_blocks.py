@@ -31,10 +31,12 @@ from curvax.layers.conv import (  # noqa: F401
     Conv2DDiagonal,
     Conv2DEigenvalueCorrected,
     Conv2DFull,
+    Conv2DTNT,
     Conv2DTwoKroneckerFactored,
     ConvDiagonal,
     ConvEigenvalueCorrected,
     ConvFull,
+    ConvTNT,
     ConvTwoKroneckerFactored,
 )
 from curvax.layers.scale_and_shift import ScaleAndShiftDiagonal, ScaleAndShiftFull  # noqa: F401

@@ -872,6 +872,69 @@ class ConvTwoKroneckerFactoredReduce(ConvTwoKroneckerFactored):
         return self._with_factors_updated(state, self._input_moment(pbar), linalg.gram(sums) / batch_size, ema_old, ema_new)
 
 
+class ConvTNT(ConvTwoKroneckerFactored, blocks._TwoFactorTNT):
+    """TNT (Ren & Goldfarb, 2021) for a plain N-D convolution: kfac-jax 0.0.8's ``Conv2DTNT`` in N-D.
+
+    Under KFC's location independence each (example, output location) contributes the gradient
+    ``[p; 1] dy^T`` (``p`` its patch, the 1 only with a bias), whose mode second moments are
+    ``|dy|^2 [p; 1][p; 1]^T`` and ``(|p|^2 + 1) dy dy^T``. With ``T`` locations:
+
+        ``A = 1/(B T) sum_{n,t} |dy_nt|^2 [p_nt; 1][p_nt; 1]^T``,
+        ``G = 1/(B T) sum_{n,t} (|p_nt|^2 + 1) dy_nt dy_nt^T``,
+        ``C = T (A (x) G) / sqrt(tr A tr G)``
+
+    (``fixed_scale`` ``T``, ``state_dependent_scale`` TNT's, as kfac-jax). For one example
+    and one location ``C`` is exactly ``g g^T``. ``weighting_per_location=False`` weighs
+    every location of example ``n`` by that example's sums instead, ``sum_t |dy_nt|^2`` and
+    ``sum_t (|p_nt|^2 + 1)``. Plain convolutions only (``feature_group_count == 1``).
+    """
+
+    def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None, weighting_per_location: bool = True):
+        super().__init__(layer_tag_eq, name)
+        if not isinstance(weighting_per_location, (bool, np.bool_)):
+            raise TypeError(
+                f"{self.name}: `weighting_per_location` must be a bool, got {type(weighting_per_location).__name__}."
+            )
+        self.weighting_per_location = bool(weighting_per_location)
+
+    def fixed_scale(self) -> float:
+        return float(self.num_locations)
+
+    def update_curvature_matrix_estimate(
+        self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
+    ):
+        # KFC's update comes first in the method order; TNT's factors replace it.
+        del pmap_axis_name
+        a, g = self._tnt_factors_from_data(estimation_data, batch_size)
+        a, g = a.astype(state.inputs_factor.value.dtype), g.astype(state.outputs_factor.value.dtype)
+        return self._with_factors_updated(state, a, g, ema_old, ema_new)
+
+    def _tnt_factors_from_data(self, estimation_data, batch_size):
+        del batch_size  # normalised by the examples seen (the inputs' batch axis), as kfac-jax does
+        x, dy = self._conv_data(estimation_data)
+        s, c_out = self._spec, self.num_outputs_channels
+        n = x.shape[s.dimension_numbers.lhs_spec[0]]
+        d = self.weights_spatial_size * self.num_inputs_channels
+        p = _sliced_patches(x, s, self.kernel_spatial_shape).reshape(n, -1, d)  # (batch, locations, features)
+        g = _canonical_out(dy, s).reshape(n, -1, c_out)  # (batch, locations, channels), as the patches
+        if self.has_bias:
+            p = jnp.concatenate([p, jnp.ones(p.shape[:2] + (1,), p.dtype)], axis=-1)
+        dy_sq = jnp.sum(jnp.square(g), axis=-1, keepdims=True)  # (batch, locations, 1)
+        p_sq = jnp.sum(jnp.square(p), axis=-1, keepdims=True)  # the bias's 1 included
+        if not self.weighting_per_location:
+            dy_sq = jnp.broadcast_to(jnp.sum(dy_sq, axis=1, keepdims=True), dy_sq.shape)
+            p_sq = jnp.broadcast_to(jnp.sum(p_sq, axis=1, keepdims=True), p_sq.shape)
+        rows = n * self.num_locations
+        flat = lambda v: v.reshape(rows, v.shape[-1])  # noqa: E731
+        return flat(p * dy_sq).T @ flat(p) / rows, flat(g * p_sq).T @ flat(g) / rows
+
+
+class Conv2DTNT(ConvTNT):
+    """``ConvTNT`` for 2-D convolutions (kfac-jax 0.0.8's ``Conv2DTNT``)."""
+
+    _required_spatial = 2
+
+
 class ConvGroupedTwoKroneckerFactored(_ConvMixin, blocks.CurvatureBlock):
     """KFC per feature group for grouped (e.g. depthwise) convolutions.
 
