@@ -43,6 +43,7 @@ What the runner adds, in the child process only (no file of a client is touched)
   own part (``optimizer_own_median_s``); the second is a floor under any optimizer's first step.
 * ``--steps N`` (default 15): more steps steady the median; the energies are still compared over
   the first 15 (``max_energy_diff``), after which float32 MCMC chains of two runs may part.
+* ``--pool A.json B.json --output P.json``: no runs; the rows of the files' runs together.
 * Fingerprints of the first step's inputs (parameter norm, batch sum, rng) and the JAX flag
   ``jax_pmap_shmap_merge`` (kfac-jax 0.0.8 sets it to False on import; curvax does not touch it).
 
@@ -550,6 +551,21 @@ def print_table(runs: list[dict[str, Any]]) -> None:
                 print(f"{name} FAILED in {r.get('phase')}: {r['error'][:300]}")
 
 
+def pool(paths: list[Path], output: Path) -> int:
+    """Rows over the runs of several result files (same code, same settings, other moments): run-to-run
+    noise on a shared 2-core machine is 10-15% per file, so more runs per backend steady the medians.
+    Each run keeps its file (``pooled_from``); the energy gap is the last file's repeat 0."""
+    runs = []
+    for path in paths:
+        for r in json.loads(path.read_text())["runs"]:
+            runs.append({**r, "pooled_from": path.name})
+    out = {"what": "pooled rows of " + ", ".join(p.name for p in paths), "pooled_from": [p.name for p in paths],
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": runs, "rows": compare_rows(runs)}
+    output.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {output} ({len(runs)} runs)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS))
@@ -566,11 +582,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-gradient", action="store_true", help="before each step after the first, also time "
                    "the client's own value_and_grad_func alone on the same inputs; the step less it is the "
                    "optimizer's own part")
+    p.add_argument("--pool", nargs="+", type=Path, metavar="JSON", help="run nothing: the rows of the runs of "
+                   "these result files together (medians over all their runs), written to --output")
     p.add_argument("--child", choices=CLIENTS, help=argparse.SUPPRESS)
     p.add_argument("--child-ansatz", dest="child_ansatz", choices=ANSATZE, default="default", help=argparse.SUPPRESS)
     p.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.pool:
+        return pool(args.pool, args.output)
     if args.child:
         return child(args.child, args.backend, args.result, args.child_ansatz)
     import importlib.util

@@ -108,3 +108,20 @@ def test_the_step_count_and_the_gradient_timing_reach_the_child(monkeypatch):
     assert seen["env"]["CLIENTS_STEPS"] == "40" and seen["env"]["CLIENTS_TIME_GRADIENT"] == "1"
     clients.run_child("ferminet", "kfac_jax", 1.0, "default", 1)
     assert seen["env"]["CLIENTS_STEPS"] == str(clients.STEPS) and "CLIENTS_TIME_GRADIENT" not in seen["env"]
+
+
+def test_pooling_files_takes_medians_over_all_their_runs(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(clients.json.dumps({"runs": [_run("kfac_jax", "default", 1, 0, 0.010, [-1.0]),
+                                              _run("curvax", "default", 1, 0, 0.020, [-1.0])]}))
+    b.write_text(clients.json.dumps({"runs": [_run("kfac_jax", "default", 1, 0, 0.012, [-1.0]),
+                                              _run("curvax", "default", 1, 0, 0.008, [-1.0]),
+                                              _run("kfac_jax", "default", 1, 1, 0.011, [-1.0]),
+                                              _run("curvax", "default", 1, 1, 0.009, [-1.0])]}))
+    out = tmp_path / "pooled.json"
+    assert clients.main(["--pool", str(a), str(b), "--output", str(out)]) == 0
+    pooled = clients.json.loads(out.read_text())
+    (row,) = pooled["rows"]
+    assert row["kfac_jax/step_median_s"] == pytest.approx(0.011)  # median of 0.010, 0.012, 0.011
+    assert row["curvax/step_median_s"] == pytest.approx(0.009)  # median of 0.020, 0.008, 0.009
+    assert [r["pooled_from"] for r in pooled["runs"]] == ["a.json", "a.json", "b.json", "b.json", "b.json", "b.json"]
