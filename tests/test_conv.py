@@ -337,6 +337,21 @@ def test_conv_tnt_of_one_example_at_one_location_is_its_gradients_outer_product(
     np.testing.assert_allclose(dense, jnp.outer(g, g), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("chunk_examples", [1, 2])  # 2 of 3 examples: the last chunk is filled with a zero example
+def test_conv_tnt_over_chunks_of_examples_equals_one_pass(monkeypatch, chunk_examples):
+    cfg = BLOCK_CONFIGS[0]  # SAME padding, with a bias: a zero example still has patches [0; 1]
+    eqn, f, params, x, dy, spec, _ = configured_layer(cfg, 2, 3)
+    ctor = lambda: [curvax.Conv2DTNT(eqn, "c", weighting_per_location=w) for w in (True, False)]  # noqa: E731
+    whole = estimate(ctor(), x, dy, params, 3)
+    per_example = (3 * 2 * 2 + 1) * curvax.Conv2DTNT(eqn, "c").num_locations
+    monkeypatch.setattr(conv, "_CPU_PATCH_CHUNK_ELEMENTS", chunk_examples * per_example)
+    chunked = estimate(ctor(), x, dy, params, 3)
+    for (d1, s1), (d2, s2) in zip(whole, chunked):
+        np.testing.assert_allclose(s2.inputs_factor.value, s1.inputs_factor.value, rtol=1e-12)
+        np.testing.assert_allclose(s2.outputs_factor.value, s1.outputs_factor.value, rtol=1e-12)
+        np.testing.assert_allclose(d2, d1, rtol=1e-11, atol=1e-13)
+
+
 def test_conv_tnt_arguments():
     eqn, *_ = make_layer(0, "NHWC", 2, (4, 4), 2, 3, (2, 2), True)
     assert curvax.Conv2DTNT(eqn).weighting_per_location  # kfac-jax's default

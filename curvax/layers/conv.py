@@ -532,37 +532,51 @@ def patches_moments_explicit(
 _CPU_PATCH_CHUNK_ELEMENTS = 2**20
 
 
-def _patch_gram(x: Array, spec: ConvSpec, k_sp: Sequence[int], c: int) -> tuple[Array, Array]:
-    """``(sum p p^T, sum p)`` over all patches, as a ``(k*C, k*C)`` matrix in (offset, channel) order.
+def _sum_over_example_chunks(fn: Callable[..., Any], xs: Sequence[Array], axes: Sequence[int], per_example: int) -> Any:
+    """``fn(*xs)`` for an ``fn`` that sums over the examples of its arguments (batch axes ``axes``),
+    computed over chunks of the examples and summed.
 
-    The fast path used by the KFC block: patches are copied out explicitly
-    (``_sliced_patches``, already in (offset, channel) order) and multiplied as one
-    2-D matmul per chunk of the batch. Chunks hold at most ``get_max_parallel_elements()``
-    patch values, and on CPU at most ``_CPU_PATCH_CHUNK_ELEMENTS`` (so that they stay in
-    cache); ``lax.map`` runs them, the last one filled up with zero examples (one compiled body).
+    Chunks hold at most ``get_max_parallel_elements()`` values (``per_example`` per example), and
+    on CPU at most ``_CPU_PATCH_CHUNK_ELEMENTS`` (so that they stay in cache); ``lax.map`` runs
+    them, the last one filled up with zero examples (one compiled body), so ``fn`` must give
+    exactly nothing for an all-zero example.
     """
-    k = math.prod(k_sp)
-    d = k * c
-    batch_axis = spec.dimension_numbers.lhs_spec[0]
-    n = x.shape[batch_axis]
-
-    def moments(xc: Array) -> tuple[Array, Array]:
-        p = _sliced_patches(xc, spec, k_sp).reshape(-1, d)  # features (offset, channel)
-        return jnp.matmul(p.T, p, precision=spec.precision), jnp.sum(p, axis=0)
-
-    per_example = d * math.prod(_out_shape(spec, x, k_sp)) // max(n, 1)
+    n = xs[0].shape[axes[0]]
     limit = blocks.get_max_parallel_elements()
     if jax.default_backend() == "cpu":
         limit = min(limit, _CPU_PATCH_CHUNK_ELEMENTS)
     size = max(1, limit // max(per_example, 1))
     if size >= n:
-        return moments(x)
+        return fn(*xs)
     num = -(-n // size)
-    xs = jnp.moveaxis(x, batch_axis, 0)
-    # Zero examples fill the last chunk: their patches are zero and add exactly nothing.
-    xs = jnp.pad(xs, [(0, num * size - n)] + [(0, 0)] * (xs.ndim - 1))
-    ms, vs = lax.map(lambda xc: moments(jnp.moveaxis(xc, 0, batch_axis)), xs.reshape(num, size, *xs.shape[1:]))
-    return jnp.sum(ms, axis=0), jnp.sum(vs, axis=0)
+
+    def chunked(x: Array, axis: int) -> Array:
+        x = jnp.moveaxis(x, axis, 0)
+        x = jnp.pad(x, [(0, num * size - n)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(num, size, *x.shape[1:])
+
+    outs = lax.map(lambda cs: fn(*(jnp.moveaxis(c, 0, a) for c, a in zip(cs, axes))),
+                   tuple(chunked(x, a) for x, a in zip(xs, axes)))
+    return jax.tree_util.tree_map(lambda o: jnp.sum(o, axis=0), outs)
+
+
+def _patch_gram(x: Array, spec: ConvSpec, k_sp: Sequence[int], c: int) -> tuple[Array, Array]:
+    """``(sum p p^T, sum p)`` over all patches, as a ``(k*C, k*C)`` matrix in (offset, channel) order.
+
+    The fast path used by the KFC block: patches are copied out explicitly
+    (``_sliced_patches``, already in (offset, channel) order) and multiplied as one
+    2-D matmul per chunk of the batch (``_sum_over_example_chunks``; zero examples' patches are
+    zero and add exactly nothing).
+    """
+    d = math.prod(k_sp) * c
+    batch_axis = spec.dimension_numbers.lhs_spec[0]
+
+    def moments(xc: Array) -> tuple[Array, Array]:
+        p = _sliced_patches(xc, spec, k_sp).reshape(-1, d)  # features (offset, channel)
+        return jnp.matmul(p.T, p, precision=spec.precision), jnp.sum(p, axis=0)
+
+    per_example = d * math.prod(_out_shape(spec, x, k_sp)) // max(x.shape[batch_axis], 1)
+    return _sum_over_example_chunks(moments, (x,), (batch_axis,), per_example)
 
 
 def _out_shape(spec: ConvSpec, inputs: Array, k_sp: Sequence[int]) -> tuple[int, ...]:
@@ -886,7 +900,8 @@ class ConvTNT(ConvTwoKroneckerFactored, blocks._TwoFactorTNT):
     (``fixed_scale`` ``T``, ``state_dependent_scale`` TNT's, as kfac-jax). For one example
     and one location ``C`` is exactly ``g g^T``. ``weighting_per_location=False`` weighs
     every location of example ``n`` by that example's sums instead, ``sum_t |dy_nt|^2`` and
-    ``sum_t (|p_nt|^2 + 1)``. Plain convolutions only (``feature_group_count == 1``).
+    ``sum_t (|p_nt|^2 + 1)``. Plain convolutions only (``feature_group_count == 1``). The
+    patches are taken over chunks of the examples, as KFC's are, so memory stays bounded.
     """
 
     def __init__(self, layer_tag_eq: tags.LayerTagEqn, name: str | None = None, weighting_per_location: bool = True):
@@ -913,20 +928,29 @@ class ConvTNT(ConvTwoKroneckerFactored, blocks._TwoFactorTNT):
         del batch_size  # normalised by the examples seen (the inputs' batch axis), as kfac-jax does
         x, dy = self._conv_data(estimation_data)
         s, c_out = self._spec, self.num_outputs_channels
-        n = x.shape[s.dimension_numbers.lhs_spec[0]]
+        dn = s.dimension_numbers
         d = self.weights_spatial_size * self.num_inputs_channels
-        p = _sliced_patches(x, s, self.kernel_spatial_shape).reshape(n, -1, d)  # (batch, locations, features)
-        g = _canonical_out(dy, s).reshape(n, -1, c_out)  # (batch, locations, channels), as the patches
-        if self.has_bias:
-            p = jnp.concatenate([p, jnp.ones(p.shape[:2] + (1,), p.dtype)], axis=-1)
-        dy_sq = jnp.sum(jnp.square(g), axis=-1, keepdims=True)  # (batch, locations, 1)
-        p_sq = jnp.sum(jnp.square(p), axis=-1, keepdims=True)  # the bias's 1 included
-        if not self.weighting_per_location:
-            dy_sq = jnp.broadcast_to(jnp.sum(dy_sq, axis=1, keepdims=True), dy_sq.shape)
-            p_sq = jnp.broadcast_to(jnp.sum(p_sq, axis=1, keepdims=True), p_sq.shape)
+
+        def sums(xc: Array, dyc: Array) -> tuple[Array, Array]:
+            m = xc.shape[dn.lhs_spec[0]]
+            p = _sliced_patches(xc, s, self.kernel_spatial_shape).reshape(m, -1, d)  # (batch, locations, features)
+            g = _canonical_out(dyc, s).reshape(m, -1, c_out)  # (batch, locations, channels), as the patches
+            if self.has_bias:
+                p = jnp.concatenate([p, jnp.ones(p.shape[:2] + (1,), p.dtype)], axis=-1)
+            dy_sq = jnp.sum(jnp.square(g), axis=-1, keepdims=True)  # (batch, locations, 1)
+            p_sq = jnp.sum(jnp.square(p), axis=-1, keepdims=True)  # the bias's 1 included
+            if not self.weighting_per_location:
+                dy_sq = jnp.broadcast_to(jnp.sum(dy_sq, axis=1, keepdims=True), dy_sq.shape)
+                p_sq = jnp.broadcast_to(jnp.sum(p_sq, axis=1, keepdims=True), p_sq.shape)
+            flat = lambda v: v.reshape(-1, v.shape[-1])  # noqa: E731
+            # A zero example (the chunks' filling) has dy = 0: it adds exactly nothing to either sum.
+            return flat(p * dy_sq).T @ flat(p), flat(g * p_sq).T @ flat(g)
+
+        n = x.shape[dn.lhs_spec[0]]
+        per_example = (d + int(self.has_bias)) * self.num_locations
+        a, g = _sum_over_example_chunks(sums, (x, dy), (dn.lhs_spec[0], dn.out_spec[0]), per_example)
         rows = n * self.num_locations
-        flat = lambda v: v.reshape(rows, v.shape[-1])  # noqa: E731
-        return flat(p * dy_sq).T @ flat(p) / rows, flat(g * p_sq).T @ flat(g) / rows
+        return a / rows, g / rows
 
 
 class Conv2DTNT(ConvTNT):
