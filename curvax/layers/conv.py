@@ -886,7 +886,7 @@ class ConvTwoKroneckerFactoredReduce(ConvTwoKroneckerFactored):
         return self._with_factors_updated(state, self._input_moment(pbar), linalg.gram(sums) / batch_size, ema_old, ema_new)
 
 
-class ConvTNT(ConvTwoKroneckerFactored, blocks._TwoFactorTNT):
+class ConvTNT(blocks._TwoFactorTNT, ConvTwoKroneckerFactored):
     """TNT (Ren & Goldfarb, 2021) for a plain N-D convolution: kfac-jax 0.0.8's ``Conv2DTNT`` in N-D.
 
     Under KFC's location independence each (example, output location) contributes the gradient
@@ -912,17 +912,9 @@ class ConvTNT(ConvTwoKroneckerFactored, blocks._TwoFactorTNT):
             )
         self.weighting_per_location = bool(weighting_per_location)
 
+    # TNT's update and scale come first in the method order, KFC's layout (patches, sizes) after.
     def fixed_scale(self) -> float:
         return float(self.num_locations)
-
-    def update_curvature_matrix_estimate(
-        self, state, estimation_data, ema_old, ema_new, batch_size, pmap_axis_name=None
-    ):
-        # KFC's update comes first in the method order; TNT's factors replace it.
-        del pmap_axis_name
-        a, g = self._tnt_factors_from_data(estimation_data, batch_size)
-        a, g = a.astype(state.inputs_factor.value.dtype), g.astype(state.outputs_factor.value.dtype)
-        return self._with_factors_updated(state, a, g, ema_old, ema_new)
 
     def _tnt_factors_from_data(self, estimation_data, batch_size):
         del batch_size  # normalised by the examples seen (the inputs' batch axis), as kfac-jax does
